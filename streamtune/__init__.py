@@ -1,0 +1,3 @@
+"""streamtune: streaming LoRA fine-tuning on Apache Flink."""
+
+__version__ = "0.1.0"

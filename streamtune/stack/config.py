@@ -1,0 +1,110 @@
+"""Typed settings of the local default stack, read once from flags and the environment.
+
+| setting         | env var                      | default                                      |
+|-----------------|------------------------------|----------------------------------------------|
+| home            | STREAMTUNE_HOME              | /var/lib/streamtune (root), else ~/.local/state/streamtune |
+| data_dir        | STREAMTUNE_DATA_DIR          | <home>/data                                  |
+| host            | STREAMTUNE_HOST              | 127.0.0.1                                    |
+| kafka_port      | STREAMTUNE_KAFKA_PORT        | 9092                                         |
+| postgres_port   | STREAMTUNE_POSTGRES_PORT     | 5432                                         |
+| mongo_port      | STREAMTUNE_MONGO_PORT        | 27017                                        |
+| mlflow_port     | STREAMTUNE_MLFLOW_PORT       | 5000                                         |
+| flink_rest_port | STREAMTUNE_FLINK_REST_PORT   | 8081                                         |
+| flink_rpc_port  | STREAMTUNE_FLINK_RPC_PORT    | 6123                                         |
+
+The home holds pid files, logs and the rendered Flink configuration; the data dir holds
+PostgreSQL, MongoDB, MLflow artifacts and Flink checkpoints. The home defaults outside
+the user's home for root because PostgreSQL runs as the `postgres` user and must be able
+to reach its data directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+def _default_home() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/streamtune")
+    return Path.home() / ".local" / "state" / "streamtune"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    home: Path
+    data_dir: Path
+    host: str = "127.0.0.1"
+    kafka_port: int = 9092
+    postgres_port: int = 5432
+    mongo_port: int = 27017
+    mlflow_port: int = 5000
+    flink_rest_port: int = 8081
+    flink_rpc_port: int = 6123
+    postgres_user: str = "streamtune"
+    postgres_password: str = "streamtune"
+
+    def __post_init__(self) -> None:
+        ports = [self.kafka_port, self.postgres_port, self.mongo_port, self.mlflow_port,
+                 self.flink_rest_port, self.flink_rpc_port]
+        for port in ports:
+            if not 0 < port < 65536:
+                raise ValueError(f"port {port} is outside 1..65535")
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"stack ports must be distinct, got {ports}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "StackConfig":
+        """Build from STREAMTUNE_* variables; keyword overrides (e.g. CLI flags) win."""
+        env = dict(os.environ if env is None else env)
+        values: dict = {}
+        for f in fields(cls):
+            raw = overrides.get(f.name)
+            if raw is None:
+                raw = env.get(f"STREAMTUNE_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = int(raw) if f.type == "int" else raw
+        home = Path(values.pop("home", None) or _default_home()).expanduser().resolve()
+        data_dir = Path(values.pop("data_dir", None) or home / "data").expanduser().resolve()
+        return cls(home=home, data_dir=data_dir, **values)
+
+    # Addresses other code (jobs, tests, the CLI) connects to.
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"{self.host}:{self.kafka_port}"
+
+    @property
+    def postgres_dsn(self) -> str:
+        return self.postgres_dsn_for("streamtune")
+
+    def postgres_dsn_for(self, database: str) -> str:
+        return (f"postgresql://{self.postgres_user}:{self.postgres_password}"
+                f"@{self.host}:{self.postgres_port}/{database}")
+
+    @property
+    def mongo_uri(self) -> str:
+        return f"mongodb://{self.host}:{self.mongo_port}/?directConnection=true"
+
+    @property
+    def mlflow_uri(self) -> str:
+        return f"http://{self.host}:{self.mlflow_port}"
+
+    @property
+    def flink_rest_url(self) -> str:
+        return f"http://{self.host}:{self.flink_rest_port}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "logs"
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.update(home=str(self.home), data_dir=str(self.data_dir))
+        return json.dumps(d, indent=2)
