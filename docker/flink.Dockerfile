@@ -1,71 +1,97 @@
 # Flink 2.0.2 runtime + the streamtune PyFlink job library (build context: repo root).
-FROM flink:2.0.2-java17
+#
+# No Flink base image: the apache-flink==2.0.2 wheel carries a complete Flink distribution
+# in site-packages/pyflink (bin/, lib/flink-dist-2.0.2.jar, opt/flink-python-2.0.2.jar,
+# plugins/metrics-prometheus, conf/ with the Java 17 --add-opens flags). That tree is
+# FLINK_HOME here, exactly as `streamtune stack up` uses it outside Docker.
+FROM python:3.11-slim-bookworm
 
-# The base is eclipse-temurin:17-jre-jammy (Ubuntu 22.04), whose apt python3 is
-# 3.10, while pyproject.toml requires >=3.11,<3.12 (PyFlink 2.0.2 itself takes
-# 3.9-3.12). uv installs a relocatable CPython 3.11 build under /opt/python,
-# readable by the unprivileged flink user that runs the Python workers.
-COPY --from=ghcr.io/astral-sh/uv:0.13.8 /uv /usr/local/bin/uv
+# Flink's scripts need a JRE and, besides the base system (bash, coreutils, findutils,
+# util-linux for flock/rev, hostname), procps for ps (flink-daemon.sh, stop scripts).
+# mkdir: openjdk's postinst registers man-page alternatives, which slim images strip.
+# /opt/java: an architecture-independent JAVA_HOME (java-17-openjdk-amd64 / -arm64).
+RUN set -eux; \
+    mkdir -p /usr/share/man/man1; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends openjdk-17-jre-headless procps; \
+    rm -rf /var/lib/apt/lists/*; \
+    ln -s "$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")" /opt/java; \
+    /opt/java/bin/java -version
 
-ENV UV_PYTHON_INSTALL_DIR=/opt/python \
-    UV_PYTHON_PREFERENCE=only-managed \
+# uid/gid 9999 as in the official flink image, so a flink-data volume it created stays writable.
+RUN set -eux; \
+    groupadd --system --gid 9999 flink; \
+    useradd --system --uid 9999 --gid flink --create-home --home-dir /home/flink --shell /bin/bash flink
+
+ENV JAVA_HOME=/opt/java \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYFLINK_CLIENT_EXECUTABLE=/opt/streamtune/venv/bin/python
+    PYTHONUNBUFFERED=1
 
-# --seed puts pip into the venv; every install below goes through it.
-RUN uv python install 3.11 \
-    && uv venv --seed --python 3.11 /opt/streamtune/venv \
-    && /opt/streamtune/venv/bin/pip install --upgrade pip
+RUN python -m venv /opt/streamtune/venv
 
-# Own layer before the source copy: the CUDA build of torch is several GB and
-# must not be re-downloaded on every code change.
+# Own layer before the source copy: the CUDA build of torch is several GB and must not be
+# re-downloaded on every code change. Exact pin: pyproject.toml pins torch==2.13.0 too.
 RUN /opt/streamtune/venv/bin/pip install torch==2.13.0
 
 COPY . /opt/streamtune
 RUN /opt/streamtune/venv/bin/pip install /opt/streamtune
 
-# shigawire-apache-flink-libraries drops connector jars into pyflink/lib next to
-# its own Flink 2.0.0 core jars. Only the connectors (and their clients/driver)
-# go onto the 2.0.2 cluster classpath; the 2.0.0 core jars would clash with it.
-# The wheel's jar names are unversioned (kafka-clients.jar), hence "*" not "-*".
-# The container's PyFlink uses FLINK_HOME=/opt/flink, so pyflink/lib is never loaded here.
+# The Flink distribution inside the installed apache-flink wheel (python:3.11 image: fixed path).
+ENV FLINK_HOME=/opt/streamtune/venv/lib/python3.11/site-packages/pyflink \
+    FLINK_CONF_DIR=/opt/flink-conf \
+    FLINK_LOG_DIR=/var/log/flink
+ENV PATH=/opt/streamtune/venv/bin:$FLINK_HOME/bin:$PATH
+
+# shigawire-apache-flink-libraries drops its connector jars (Kafka, JDBC + their clients)
+# into pyflink/lib together with Flink 2.0.0 core jars that clash with flink-dist-2.0.2.
+# The same pruning `streamtune stack up` does; it fails if a connector jar is missing.
 RUN set -eux; \
-    lib="$(/opt/streamtune/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyflink/lib"; \
-    for pat in 'flink-connector-kafka*.jar' 'kafka-clients*.jar' 'flink-connector-jdbc*.jar' 'postgresql*.jar'; do \
-        found=0; \
-        for jar in "$lib"/$pat; do \
-            [ -e "$jar" ] || continue; \
-            install -m 0644 -o flink -g flink "$jar" /opt/flink/lib/; \
-            found=1; \
-        done; \
-        [ "$found" = 1 ] || { echo "no $pat in $lib" >&2; exit 1; }; \
-    done; \
-    ls -l /opt/flink/lib
+    test -x "$FLINK_HOME/bin/jobmanager.sh"; \
+    test -f "$FLINK_HOME/lib/flink-dist-2.0.2.jar"; \
+    test -f "$FLINK_HOME/plugins/metrics-prometheus/flink-metrics-prometheus-2.0.2.jar"; \
+    /opt/streamtune/venv/bin/python -c "from streamtune.stack.flink import prune_duplicate_jars; print(prune_duplicate_jars())"; \
+    ls -l "$FLINK_HOME/lib"
 
-# The Flink distribution ships the Prometheus reporter in plugins/metrics-prometheus;
-# fall back to opt/ in case an image variant only has it there.
+# The image's Flink configuration: Flink's defaults (env.java.opts.all), then the project's
+# flink-conf/config.yaml (checkpointing, state backend, restart strategy, Python worker mode,
+# Prometheus reporter), then container paths and bind addresses. taskmanager.host (localhost
+# in the defaults) is dropped so each TaskManager advertises its container's address.
+# config.image.yaml is the template; flink-entrypoint.sh merges JOB_MANAGER_RPC_ADDRESS and
+# FLINK_PROPERTIES over it into config.yaml at every start (config.yaml starts as a copy so
+# the image is usable without the entrypoint too). `flink --version` parses it with Flink's
+# own YAML reader, which rejects what PyYAML might let through.
 RUN set -eux; \
-    if ! ls /opt/flink/plugins/metrics-prometheus/flink-metrics-prometheus-*.jar >/dev/null 2>&1; then \
-        mkdir -p /opt/flink/plugins/metrics-prometheus; \
-        cp /opt/flink/opt/flink-metrics-prometheus-*.jar /opt/flink/plugins/metrics-prometheus/; \
-    fi
+    mkdir -p /opt/flink-conf; \
+    cp "$FLINK_HOME"/conf/log4j*.properties "$FLINK_HOME"/conf/logback*.xml /opt/flink-conf/; \
+    /opt/streamtune/venv/bin/python -c "\
+import os, yaml; \
+from streamtune.stack.flink import flatten; \
+home = os.environ['FLINK_HOME']; \
+py = '/opt/streamtune/venv/bin/python'; \
+conf = flatten(yaml.safe_load(open(home + '/conf/config.yaml')) or {}); \
+conf.update(flatten(yaml.safe_load(open('/opt/streamtune/flink-conf/config.yaml')) or {})); \
+conf = {k: v for k, v in conf.items() if k != 'taskmanager.host'}; \
+conf.update({'python.executable': py, 'python.client.executable': py, \
+             'jobmanager.bind-host': '0.0.0.0', 'taskmanager.bind-host': '0.0.0.0', \
+             'rest.bind-address': '0.0.0.0', \
+             'execution.checkpointing.dir': 'file:///flink-data/checkpoints', \
+             'execution.checkpointing.savepoint-dir': 'file:///flink-data/savepoints', \
+             'env.log.dir': os.environ['FLINK_LOG_DIR']}); \
+open('/opt/flink-conf/config.image.yaml', 'w').write(yaml.safe_dump(conf, sort_keys=True, width=1 << 20))"; \
+    cp /opt/flink-conf/config.image.yaml /opt/flink-conf/config.yaml; \
+    cat /opt/flink-conf/config.yaml; \
+    FLINK_LOG_DIR=/tmp/flink-build-log flink --version; \
+    rm -rf /tmp/flink-build-log; \
+    install -m 0755 /opt/streamtune/docker/flink-entrypoint.sh /usr/local/bin/flink-entrypoint.sh; \
+    mkdir -p /flink-data/checkpoints /flink-data/savepoints "$FLINK_LOG_DIR"; \
+    chown flink:flink /opt/flink-conf /opt/flink-conf/config.yaml "$FLINK_LOG_DIR"; \
+    chown -R flink:flink /flink-data
 
-# The project's Flink settings (checkpointing, state backend, restart strategy,
-# Python worker mode) become the image's config.yaml; compose's FLINK_PROPERTIES
-# is merged over it at start. Baked, not bind-mounted: the entrypoint rewrites
-# config.yaml in place. The bind-host values restore what the base image set.
-RUN set -eux; \
-    cp /opt/streamtune/flink-conf/config.yaml /opt/flink/conf/config.yaml; \
-    /bin/bash /opt/flink/bin/config-parser-utils.sh /opt/flink/conf /opt/flink/bin /opt/flink/lib \
-        -Drest.address=0.0.0.0 -Drest.bind-address=0.0.0.0 \
-        -Djobmanager.bind-host=0.0.0.0 -Dtaskmanager.bind-host=0.0.0.0; \
-    chown flink:flink /opt/flink/conf/config.yaml; \
-    cat /opt/flink/conf/config.yaml
+USER flink
+WORKDIR /opt/streamtune
 
-# Created here so a fresh named volume at /flink-data is writable by the flink user.
-RUN mkdir -p /flink-data/checkpoints /flink-data/savepoints \
-    && chown -R flink:flink /flink-data
-
-EXPOSE 8081 9249
+EXPOSE 6123 8081 9249
+ENTRYPOINT ["/usr/local/bin/flink-entrypoint.sh"]
+CMD ["jobmanager"]

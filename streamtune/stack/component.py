@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import StackConfig
-from .process import StackError, alive, log_tail, terminate, wait_until
+from .process import StackError, alive, log_tail, read_pids, terminate, wait_until
 
 
 class Component:
@@ -43,10 +43,7 @@ class Component:
 
     def pids(self) -> list[int]:
         """Processes this stack started for the component (empty when it started none)."""
-        try:
-            return [int(p) for p in self.pid_file.read_text().split()]
-        except (FileNotFoundError, ValueError):
-            return []
+        return read_pids(self.pid_file)
 
     def owned(self) -> bool:
         return any(alive(pid) for pid in self.pids())

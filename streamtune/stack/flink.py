@@ -13,7 +13,7 @@ import requests
 import yaml
 
 from .component import Component
-from .process import StackError
+from .process import StackError, write_pids
 
 REPO_FLINK_CONF = Path(__file__).resolve().parents[2] / "flink-conf"
 
@@ -125,10 +125,10 @@ class Flink(Component):
             d.mkdir(parents=True, exist_ok=True)
         self._script("start-cluster.sh")
         # flink-daemon.sh names them flink-$USER-<daemon>.pid ($USER may be unset).
-        pids = [pid for f in sorted(pid_dir.glob("flink-*.pid")) for pid in f.read_text().split()]
+        pids = [int(pid) for f in sorted(pid_dir.glob("flink-*.pid")) for pid in f.read_text().split()]
         if not pids:
             raise StackError(f"start-cluster.sh left no pid files in {pid_dir}")
-        self.pid_file.write_text("\n".join(pids))
+        write_pids(self.pid_file, pids)
 
     def stop(self) -> None:
         if self.pids():
@@ -137,3 +137,9 @@ class Flink(Component):
             except (StackError, subprocess.TimeoutExpired):
                 pass  # the pid-based stop below still ends every daemon
         super().stop()
+
+
+def flink_cli(config, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run pyflink's `flink` command line against the stack's cluster (e.g. `run -d -py job.py`)."""
+    return subprocess.run([str(flink_home() / "bin" / "flink"), *args], env=Flink(config).env(),
+                          capture_output=True, text=True, timeout=timeout)

@@ -48,20 +48,3 @@ class Kafka(Component):
                "--storage-engine", "memory://tansu/"],
               self.log_file, self.pid_file)
 
-
-def create_topic(bootstrap: str, name: str, partitions: int = 1) -> None:
-    """Create a topic (no-op when it exists) through the broker's admin API."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
-    try:
-        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        admin.close()
-
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,4 +31,6 @@ class MLflow(Component):
         spawn([mlflow, "server", "--host", self.config.host, "--port", str(self.config.mlflow_port),
                "--workers", "1", "--backend-store-uri", backend,
                "--artifacts-destination", str(artifacts), "--serve-artifacts"],
-              self.log_file, self.pid_file)
+              self.log_file, self.pid_file,
+              # The job runner (for GenAI evaluation jobs) forks ~8 workers of ~270 MB each.
+              env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))

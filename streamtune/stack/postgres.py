@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from .component import Component
-from .process import StackError, wait_until
+from .process import StackError, wait_until, write_pids
 
 PACKAGES = ["postgresql", "postgresql-15-wal2json"]
 DATABASES = ["streamtune", "mlflow"]
@@ -79,8 +79,17 @@ class Postgres(Component):
             pw = pwd.getpwnam("postgres")
             shutil.chown(path, pw.pw_uid, pw.pw_gid)
 
+    def _check_reachable_by_postgres(self) -> None:
+        if os.geteuid() != 0:
+            return
+        for parent in [*reversed(self.config.data_dir.parents), self.config.data_dir]:
+            if parent.exists() and not parent.stat().st_mode & 0o001:
+                raise StackError(f"PostgreSQL runs as the `postgres` user, which cannot enter {parent} "
+                                 f"(mode {parent.stat().st_mode & 0o777:o}); choose another --data-dir")
+
     def launch(self) -> None:
         bindir = ensure_packages()
+        self._check_reachable_by_postgres()
         for d in (self.cluster_dir, self.socket_dir, self.config.log_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._chown(self.cluster_dir)
@@ -102,9 +111,7 @@ class Postgres(Component):
                                "-o", opts, "-w", "-t", "30", "start"])
         if r.returncode != 0:
             raise StackError(f"pg_ctl start failed:\n{r.stdout[-1500:]}{r.stderr[-500:]}")
-        pid = (self.cluster_dir / "postmaster.pid").read_text().split()[0]
-        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
-        self.pid_file.write_text(pid)
+        write_pids(self.pid_file, [int((self.cluster_dir / "postmaster.pid").read_text().split()[0])])
         if os.path.lexists(self.log_file):
             os.unlink(self.log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)

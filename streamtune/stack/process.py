@@ -27,15 +27,36 @@ def spawn(cmd: list[str], log_file: Path, pid_file: Path, env: dict | None = Non
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, cwd=cwd, start_new_session=True)
-    pid_file.write_text(str(proc.pid))
+    write_pids(pid_file, [proc.pid])
     return proc.pid
 
 
-def read_pid(pid_file: Path) -> int | None:
+def _start_time(pid: int) -> str | None:
     try:
-        return int(pid_file.read_text().split()[0])
-    except (FileNotFoundError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[19]  # field 22: start time in clock ticks
+    except (FileNotFoundError, IndexError):
         return None
+
+
+def write_pids(pid_file: Path, pids: list[int]) -> None:
+    """Record pids with their start times, so a recycled pid is never mistaken for ours."""
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text("".join(f"{pid} {_start_time(pid)}\n" for pid in pids))
+
+
+def read_pids(pid_file: Path) -> list[int]:
+    """The recorded pids that still run the process we started."""
+    try:
+        lines = pid_file.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    pids = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and _start_time(int(parts[0])) == parts[1]:
+            pids.append(int(parts[0]))
+    return pids
 
 
 def alive(pid: int) -> bool:
