@@ -23,7 +23,10 @@ RUN set -eux; \
     groupadd --system --gid 9999 flink; \
     useradd --system --uid 9999 --gid flink --create-home --home-dir /home/flink --shell /bin/bash flink
 
+# NVIDIA_DRIVER_CAPABILITIES: what the NVIDIA runtime mounts into the taskmanager, whose
+# compose GPU reservation names no driver capabilities (the CUDA base images set the same).
 ENV JAVA_HOME=/opt/java \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
