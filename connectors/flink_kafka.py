@@ -1,0 +1,50 @@
+"""Kafka inside Flink jobs: the input table (with per-partition watermarks) and exactly-once sinks.
+
+The input is declared as a Flink SQL Kafka table because the SQL connector exposes what
+the Python DataStream API hides: the record's topic, partition and offset (lineage, DLQ)
+and a watermark computed per partition from the Kafka record timestamps at the source.
+"""
+
+from __future__ import annotations
+
+from pyflink.common.serialization import SimpleStringSchema
+from pyflink.datastream.connectors.base import DeliveryGuarantee
+from pyflink.datastream.connectors.kafka import KafkaRecordSerializationSchema, KafkaSink
+
+# Flink's default (1 h) is above many brokers' transaction.max.timeout.ms (15 min).
+TRANSACTION_TIMEOUT_MS = "900000"
+
+
+def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str, lateness_ms: int) -> str:
+    """A raw-string Kafka table over `topics` with source metadata and an event-time watermark."""
+    return f"""
+        CREATE TEMPORARY TABLE `{name}` (
+            `payload` STRING,
+            `topic` STRING METADATA VIRTUAL,
+            `partition` INT METADATA VIRTUAL,
+            `offset` BIGINT METADATA VIRTUAL,
+            `ts` TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+            WATERMARK FOR `ts` AS `ts` - INTERVAL '{lateness_ms / 1000:.3f}' SECOND
+        ) WITH (
+            'connector' = 'kafka',
+            'topic' = '{";".join(topics)}',
+            'properties.bootstrap.servers' = '{bootstrap}',
+            'properties.group.id' = '{group_id}',
+            'properties.isolation.level' = 'read_committed',
+            'scan.startup.mode' = 'earliest-offset',
+            'format' = 'raw'
+        )"""
+
+
+def exactly_once_sink(bootstrap: str, topic: str, transactional_id_prefix: str) -> KafkaSink:
+    """Records become visible to read_committed readers when the checkpoint completes."""
+    return (KafkaSink.builder()
+            .set_bootstrap_servers(bootstrap)
+            .set_record_serializer(KafkaRecordSerializationSchema.builder()
+                                   .set_topic(topic)
+                                   .set_value_serialization_schema(SimpleStringSchema())
+                                   .build())
+            .set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE)
+            .set_transactional_id_prefix(transactional_id_prefix)
+            .set_property("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS)
+            .build())

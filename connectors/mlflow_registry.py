@@ -1,0 +1,194 @@
+"""MLflow model registry helpers for adapter version records (see streamtune/registrar.py).
+
+One registered model per model_id; one MLflow model version per version record, found again
+by its tag `streamtune.version_id`, so registering the same record twice is a no-op. Each
+version gets its own run (params, metrics, `adapter/` artifacts, `lineage.json`); the same
+metrics also go, with step=seq, to a long-lived run `<model_id>-training` in the experiment
+`streamtune/<model_id>`: that run holds the loss curve across versions.
+
+Aliases: `candidate` always points at the newest registered version; `champion` moves when
+there is none yet or when the new version's loss_after <= the champion's tag
+`streamtune.loss_after`. MLflow has no compare-and-set on aliases: two registrars racing on
+one model could each move champion; only one registrar per model (Kafka key = model_id)
+is assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException, RestException
+
+log = logging.getLogger(__name__)
+
+TAG = "streamtune."
+METRICS = ("loss_before", "loss_after", "samples", "tokens", "step_seconds")
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class ArtifactIntegrityError(ValueError):
+    """The adapter files do not match the record (missing file or sha256 mismatch)."""
+
+
+def make_client(tracking_uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def find_version(client: MlflowClient, model_id: str, version_id: str) -> ModelVersion | None:
+    """The model version of `model_id` tagged with this version_id, or None."""
+    # Dotted tag keys need backticks in MLflow's filter syntax.
+    found = client.search_model_versions(
+        f"name = '{_quote(model_id)}' and tags.`{TAG}version_id` = '{_quote(version_id)}'")
+    if not found:
+        return None
+    return min(found, key=lambda v: int(v.version))  # a racing duplicate: the first one wins
+
+
+def verify_artifacts(record: dict) -> str:
+    """Check the adapter file's sha256 against the record; returns the file's path."""
+    path = os.path.join(record["artifact_dir"], ADAPTER_FILE)
+    if not os.path.isfile(path):
+        raise ArtifactIntegrityError(f"version {record['version_id']}: {path} does not exist")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != record["sha256"].lower():
+        raise ArtifactIntegrityError(
+            f"version {record['version_id']}: sha256 mismatch for {path}: "
+            f"record says {record['sha256']}, file has {digest.hexdigest()}")
+    return path
+
+
+def register_version(client: MlflowClient, record: dict) -> tuple[ModelVersion, bool]:
+    """Register one version record; returns (model version, created). Idempotent by version_id."""
+    model_id, version_id = record["model_id"], record["version_id"]
+    existing = find_version(client, model_id, version_id)
+    if existing is not None:
+        return existing, False
+    verify_artifacts(record)
+    _ensure_registered_model(client, model_id)
+    experiment_id = _ensure_experiment(client, f"streamtune/{model_id}")
+
+    seq, metrics = int(record["seq"]), record["metrics"]
+    now = int(time.time() * 1000)
+    metric_rows = [Metric(k, float(metrics[k]), now, seq) for k in METRICS]
+    adapter = record["adapter"]
+    run = client.create_run(experiment_id, run_name=version_id, tags={
+        f"{TAG}version_id": version_id, f"{TAG}model_id": model_id, f"{TAG}seq": str(seq)})
+    run_id = run.info.run_id
+    try:
+        client.log_batch(run_id, metrics=metric_rows, params=[
+            Param("adapter.rank", str(adapter["rank"])),
+            Param("adapter.alpha", str(adapter["alpha"])),
+            Param("adapter.target_modules", ",".join(adapter["target_modules"])),
+            Param("adapter.dropout", str(adapter["dropout"])),
+            Param("config_version", str(record["config_version"])),
+            Param("fresh_adapter", str(bool(record["fresh_adapter"]))),
+            Param("trigger", record["trigger"]),
+            Param("base_model", record["base_model"]),
+        ])
+        client.log_artifacts(run_id, record["artifact_dir"], "adapter")
+        with tempfile.TemporaryDirectory() as tmp:
+            lineage = os.path.join(tmp, "lineage.json")
+            with open(lineage, "w") as f:
+                json.dump({"version_id": version_id, "window_start": record["window_start"],
+                           "window_end": record["window_end"], **record["lineage"]}, f, indent=1)
+            client.log_artifact(run_id, lineage)
+    except Exception:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+    client.log_batch(_ensure_training_run(client, experiment_id, model_id), metrics=metric_rows)
+
+    tags = {
+        "version_id": version_id, "sha256": record["sha256"], "base_model": record["base_model"],
+        "window_start": record["window_start"], "window_end": record["window_end"],
+        "samples": metrics["samples"], "seq": seq, "config_version": record["config_version"],
+        "fresh_adapter": bool(record["fresh_adapter"]), "rank": adapter["rank"],
+        "target_modules": ",".join(adapter["target_modules"]), "loss_after": metrics["loss_after"],
+    }
+    # create_model_version waits (await_creation_for=300 s) until the status is READY.
+    mv = client.create_model_version(model_id, f"runs:/{run_id}/adapter", run_id,
+                                     tags={TAG + k: str(v) for k, v in tags.items()})
+    if mv.status != "READY":
+        raise RuntimeError(f"model version {model_id} v{mv.version} ended in status {mv.status}")
+
+    _set_alias(client, model_id, "candidate", mv.version)
+    champion = client.get_registered_model(model_id).aliases.get("champion")
+    if champion is None or float(metrics["loss_after"]) <= _loss_after(client, model_id, champion):
+        _set_alias(client, model_id, "champion", mv.version)
+    return client.get_model_version(model_id, mv.version), True
+
+
+def artifact_uri(client: MlflowClient, mv: ModelVersion) -> str:
+    """The artifact store URI of a version's source (its run's `adapter/` folder)."""
+    return client.get_run(mv.run_id).info.artifact_uri.rstrip("/") + "/adapter"
+
+
+def _quote(value: str) -> str:
+    return str(value).replace("'", "\\'")
+
+
+def _already_exists(e: RestException) -> bool:
+    return e.error_code == "RESOURCE_ALREADY_EXISTS"
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> None:
+    try:
+        client.create_registered_model(name, tags={f"{TAG}managed": "true"})
+    except RestException as e:
+        if not _already_exists(e):
+            raise
+
+
+def _ensure_experiment(client: MlflowClient, name: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except RestException as e:
+        if not _already_exists(e):
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _ensure_training_run(client: MlflowClient, experiment_id: str, model_id: str) -> str:
+    name = f"{model_id}-training"
+    runs = client.search_runs([experiment_id], f"attributes.run_name = '{_quote(name)}'",
+                              order_by=["attributes.start_time ASC"], max_results=1)
+    if runs:
+        return runs[0].info.run_id
+    run = client.create_run(experiment_id, run_name=name, tags={f"{TAG}model_id": model_id})
+    # Finished right away: MLflow accepts metrics on finished runs, and the UI does not show
+    # a run that is "running" forever.
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def _loss_after(client: MlflowClient, model_id: str, version: str) -> float:
+    value = client.get_model_version(model_id, version).tags.get(f"{TAG}loss_after")
+    return float(value) if value is not None else float("inf")
+
+
+def _set_alias(client: MlflowClient, model_id: str, alias: str, version: str,
+               attempts: int = 5) -> None:
+    """Set an alias; two writers creating the same alias at once can hit UniqueViolation."""
+    for attempt in range(attempts):
+        try:
+            client.set_registered_model_alias(model_id, alias, version)
+            return
+        except MlflowException as e:
+            if "UniqueViolation" not in str(e) or attempt == attempts - 1:
+                raise
+            log.info("alias %s on %s raced another writer; retrying", alias, model_id)
+            time.sleep(0.05 * (attempt + 1))

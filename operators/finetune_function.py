@@ -1,0 +1,181 @@
+"""The keyed heart of the job: per-model config, window buffer and LoRA adapter state.
+
+Keyed by model_id. Configs and samples arrive on one stream (see operators/validate.py).
+Everything a restore needs lives in keyed state: the config in force, the pending samples,
+the adapter and optimizer state, the version sequence. A fired window yields one version
+record; the job sends it through an exactly-once Kafka sink, so it becomes visible only
+when the checkpoint holding the matching state completes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyflink.common import Types
+from pyflink.datastream import KeyedProcessFunction
+from pyflink.datastream.state import ValueStateDescriptor
+
+from operators.validate import DLQ_TAG, dead_letter
+from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
+from streamtune.specs import FeedbackSample, FinetuneSpec
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    default_base_model: str
+    artifact_dir: str
+    unknown_model_grace_ms: int
+
+
+def version_id_for(model_id: str, end: int, batch: list[Pending]) -> str:
+    first, last = batch[0], batch[-1]
+    return f"{model_id}@{end}#{first.partition}:{first.offset}-{last.partition}:{last.offset}"
+
+
+def write_artifact(root: str, model_id: str, version_id: str, files: dict, sha256: str) -> str:
+    """Write the PEFT files once, atomically, at a path named by the version; a replay finds them."""
+    target = Path(root) / model_id / re.sub(r"[^A-Za-z0-9._-]", "_", version_id)
+    if target.exists():
+        existing = hashlib.sha256((target / "adapter_model.safetensors").read_bytes()).hexdigest()
+        if existing != sha256:
+            raise RuntimeError(f"artifact {target} exists with sha256 {existing}, replay produced {sha256}: "
+                               "the step is not deterministic on this hardware")
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # a concurrent writer won with the same content
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+class FinetuneFunction(KeyedProcessFunction):
+    def __init__(self, settings: TrainerSettings):
+        self.settings = settings
+
+    def open(self, runtime_context):
+        from operators.lora_trainer import threads_from_env
+
+        threads_from_env()
+
+        def state(name):
+            return runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY()))
+
+        self.config = state("config")      # {"spec": json, "version": int, "hash": str}
+        self.pending = state("pending")    # list[Pending]
+        self.timer = state("window_timer")  # event time of the next window end, or None
+        self.grace = state("grace_timer")  # event time the unknown-model grace ends, or None
+        self.adapter = state("adapter")    # LoraTrainer state dict
+        self.seq = state("seq")            # versions emitted so far
+        metrics = runtime_context.get_metrics_group()
+        self.windows_fired = metrics.counter("windows_fired")
+        self.unknown_dead_lettered = metrics.counter("unknown_model_dead_lettered")
+
+    # -- input --------------------------------------------------------------------------
+    def process_element(self, value, ctx):
+        kind, model_id, body, topic, partition, offset, ts = value
+        if kind == "config":
+            self._on_config(body, ctx)
+            return
+        sample = FeedbackSample.model_validate_json(body)
+        pending = (self.pending.value() or []) + [Pending(
+            sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
+            body)]
+        cfg = self.config.value()
+        if cfg is None:
+            if self.grace.value() is None:
+                deadline = ts + self.settings.unknown_model_grace_ms
+                self.grace.update(deadline)
+                ctx.timer_service().register_event_time_timer(deadline)
+            self.pending.update(pending)
+            return
+        spec = FinetuneSpec.model_validate_json(cfg["spec"])
+        batch, pending = capped_batch(pending, spec.trigger_policy.max_samples_per_step)
+        if batch:
+            end = window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
+            yield self._fire(ctx.get_current_key(), spec, cfg, batch, end, "max_samples")
+        self.pending.update(pending)
+        self._ensure_window_timer(ctx, spec, pending)
+
+    def _on_config(self, body: str, ctx):
+        spec = FinetuneSpec.model_validate_json(body)
+        cfg = self.config.value()
+        if cfg is None or cfg["hash"] != spec.spec_hash():
+            version = (cfg["version"] if cfg else 0) + 1
+            self.config.update({"spec": body, "version": version, "hash": spec.spec_hash()})
+        self._ensure_window_timer(ctx, spec, self.pending.value() or [])
+
+    def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
+        if pending and self.timer.value() is None:
+            at = window_end(min(s.ts for s in pending), spec.trigger_policy.window_seconds)
+            self.timer.update(at)
+            ctx.timer_service().register_event_time_timer(at)
+
+    # -- time ---------------------------------------------------------------------------
+    def on_timer(self, timestamp, ctx):
+        model_id = ctx.get_current_key()
+        if self.grace.value() == timestamp:
+            self.grace.clear()
+            if self.config.value() is None:
+                for s in self.pending.value() or []:
+                    self.unknown_dead_lettered.inc()
+                    yield DLQ_TAG, dead_letter(
+                        "unknown_model", f"no config for model_id {model_id} within the "
+                        f"{self.settings.unknown_model_grace_ms} ms grace period",
+                        s.payload, s.topic, s.partition, s.offset, s.ts, "sample", model_id)
+                self.pending.clear()
+        if self.timer.value() == timestamp:
+            self.timer.clear()
+            cfg = self.config.value()
+            if cfg is None:
+                return
+            spec = FinetuneSpec.model_validate_json(cfg["spec"])
+            batch, rest = due_batch(self.pending.value() or [], timestamp, spec.trigger_policy.min_samples_per_window)
+            if batch:
+                yield self._fire(model_id, spec, cfg, batch, timestamp, "window")
+            self.pending.update(rest)
+            if rest:  # carried-over or future samples wait for the next window end
+                at = window_end(timestamp, spec.trigger_policy.window_seconds)
+                self.timer.update(at)
+                ctx.timer_service().register_event_time_timer(at)
+
+    # -- a training step ------------------------------------------------------------------
+    def _fire(self, model_id: str, spec: FinetuneSpec, cfg: dict, batch: list[Pending], end: int,
+              trigger: str) -> str:
+        from operators.lora_trainer import LoraTrainer
+
+        start = min(window_start(end, spec.trigger_policy.window_seconds), batch[0].ts)
+        version_id = version_id_for(model_id, end, batch)
+        seed = (int(hashlib.sha256(version_id.encode()).hexdigest()[:8], 16) + spec.seed) % (2 ** 31)
+        base = spec.base_model or self.settings.default_base_model
+        trainer = LoraTrainer.for_base(base)
+        result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed)
+        artifact = write_artifact(self.settings.artifact_dir, model_id, version_id, result.files, result.sha256)
+        seq = (self.seq.value() or 0) + 1
+        self.adapter.update(result.state)
+        self.seq.update(seq)
+        self.windows_fired.inc()
+        a = spec.adapter_config
+        return json.dumps({
+            "version_id": version_id, "model_id": model_id, "seq": seq,
+            "window_start": start, "window_end": end,
+            "artifact_dir": artifact, "sha256": result.sha256, "base_model": trainer.base_dir,
+            "config_version": cfg["version"], "fresh_adapter": result.fresh_adapter,
+            "adapter": {"rank": a.rank, "alpha": a.alpha, "target_modules": list(a.target_modules),
+                        "dropout": a.dropout},
+            "trigger_policy": spec.trigger_policy.model_dump(),
+            "metrics": result.metrics,
+            "lineage": {"sample_ids": [s.sample_id for s in batch], "offsets": offset_ranges(batch)},
+            "trigger": trigger,
+        }, sort_keys=True)
+

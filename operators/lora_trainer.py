@@ -1,0 +1,195 @@
+"""LoRA steps for many models on one shared base, with state that round-trips as bytes.
+
+The base model loads once per worker (cached by directory); each model_id gets its own
+PEFT adapter on it. A step takes the adapter's saved state (or None for a fresh one), a
+window's samples and a seed, and returns the new state, the PEFT-format artifact and the
+metrics. Given the same state, samples and seed, a step is bitwise reproducible on CPU,
+which is what makes a replay after a crash produce the same version.
+
+    trainer = LoraTrainer.for_base("/models/tiny-llama")
+    result = trainer.step("m1", spec.adapter_config, spec.training, None, samples, seed=7)
+    result.files["adapter_model.safetensors"]  # bytes, identical on replay
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from streamtune.specs import AdapterConfig, TrainingConfig
+from streamtune.tinymodel import collate, encode_example
+
+_BASES: dict[str, "LoraTrainer"] = {}
+
+
+@dataclass
+class StepResult:
+    state: dict          # {"shape": str, "lora": bytes, "optim": bytes, "steps": int}
+    files: dict          # PEFT artifact: file name -> bytes
+    sha256: str          # of adapter_model.safetensors
+    fresh_adapter: bool
+    metrics: dict
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LoraTrainer:
+    def __init__(self, base_dir: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.base_dir = str(Path(base_dir).resolve())
+        self.device = _device()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir, local_files_only=True)
+        self.base = AutoModelForCausalLM.from_pretrained(self.base_dir, local_files_only=True).to(self.device)
+        self.base.requires_grad_(False)
+        self.model = None  # the PeftModel wrapping `base`, created with the first adapter
+
+    @classmethod
+    def for_base(cls, base_dir: str) -> "LoraTrainer":
+        """One trainer (one copy of the base weights) per base directory and worker."""
+        key = str(Path(base_dir).resolve())
+        if key not in _BASES:
+            if not Path(key, "config.json").exists():
+                raise FileNotFoundError(f"base model directory {key} has no config.json "
+                                        "(streamtune loads local HF-format directories only)")
+            _BASES[key] = cls(key)
+        return _BASES[key]
+
+    # -- adapters -----------------------------------------------------------------------
+    def _activate(self, model_id: str, adapter: AdapterConfig) -> tuple[str, list[tuple[str, torch.nn.Parameter]]]:
+        from peft import LoraConfig, get_peft_model
+
+        name = "m" + hashlib.sha1(f"{model_id}|{adapter.model_dump_json()}".encode()).hexdigest()[:12]
+        config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
+                            target_modules=list(adapter.target_modules), task_type="CAUSAL_LM", bias="none")
+        if self.model is None:
+            self.model = get_peft_model(self.base, config, adapter_name=name)
+        elif name not in self.model.peft_config:
+            self.model.add_adapter(name, config)
+        self.model.set_adapter(name)
+        marker = f".{name}."
+        params = sorted(((n, p) for n, p in self.model.named_parameters() if marker in n), key=lambda x: x[0])
+        for _, p in params:
+            p.requires_grad_(True)
+        return name, params
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
+             samples: list, seed: int) -> StepResult:
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        started = time.perf_counter()
+        torch.manual_seed(seed)
+        name, params = self._activate(model_id, adapter)
+        fresh = state is None or state.get("shape") != adapter.shape_key
+        optimizer = torch.optim.AdamW([p for _, p in params], lr=training.lr)
+        if fresh:
+            self._reset_adapter(name, seed)
+        else:
+            set_peft_model_state_dict(self.model, load_safetensors(state["lora"]), adapter_name=name)
+            optimizer.load_state_dict(torch.load(io.BytesIO(state["optim"]), weights_only=True))
+            for group in optimizer.param_groups:  # a hot config may change the learning rate
+                group["lr"] = training.lr
+
+        examples = [encode_example(self.tokenizer, s.prompt, s.completion, training.max_seq_len) for s in samples]
+        weights = [float(s.weight) for s in samples]
+        tokens = sum(len(e["input_ids"]) for e in examples)
+        loss_before = self._mean_loss(examples, weights, training)
+        self._train(examples, weights, training, optimizer, seed)
+        loss_after = self._mean_loss(examples, weights, training)
+
+        lora = {k: v.detach().to("cpu").clone().contiguous()
+                for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+        lora_bytes = save_safetensors(lora)
+        optim_buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), optim_buf)
+        steps = (0 if fresh else state["steps"]) + 1
+        config = self.model.peft_config[name].to_dict()
+        config.update(base_model_name_or_path=self.base_dir, inference_mode=True)
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+        files = {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
+                 "adapter_model.safetensors": lora_bytes}
+        return StepResult(
+            state={"shape": adapter.shape_key, "lora": lora_bytes, "optim": optim_buf.getvalue(), "steps": steps},
+            files=files, sha256=hashlib.sha256(lora_bytes).hexdigest(), fresh_adapter=fresh,
+            metrics={"loss_before": loss_before, "loss_after": loss_after, "samples": len(samples),
+                     "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4)})
+
+    def _reset_adapter(self, name: str, seed: int) -> None:
+        torch.manual_seed(seed)
+        for module in self.model.modules():
+            if hasattr(module, "reset_lora_parameters") and name in getattr(module, "lora_A", {}):
+                module.reset_lora_parameters(name, True)
+
+    def _batches(self, examples: list, weights: list, size: int):
+        for i in range(0, len(examples), size):
+            batch = collate(examples[i:i + size], self.tokenizer.pad_token_id)
+            yield {k: v.to(self.device) for k, v in batch.items()}, torch.tensor(weights[i:i + size], device=self.device)
+
+    def _loss(self, batch: dict, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted mean over samples of each sample's mean token loss."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits, labels = logits[:, :-1].float(), batch["labels"][:, 1:]
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
+                                                      reduction="none")
+        mask = (labels != -100).float()
+        per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return (per_sample * weights).sum() / weights.sum().clamp(min=1e-8)
+
+    def _autocast(self, training: TrainingConfig):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.precision)
+        if dtype is None or (dtype is torch.float16 and self.device.type != "cuda"):
+            return torch.autocast(self.device.type, enabled=False)  # fp16 needs a GPU: fp32 on CPU
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    @torch.no_grad()
+    def _mean_loss(self, examples: list, weights: list, training: TrainingConfig) -> float:
+        self.model.eval()
+        total, weight = 0.0, 0.0
+        for batch, w in self._batches(examples, weights, training.micro_batch_size):
+            with self._autocast(training):
+                total += float(self._loss(batch, w)) * float(w.sum())
+            weight += float(w.sum())
+        return round(total / weight, 6) if weight else 0.0
+
+    def _train(self, examples: list, weights: list, training: TrainingConfig, optimizer, seed: int) -> None:
+        self.model.train()
+        scaler = torch.amp.GradScaler(enabled=training.precision == "fp16" and self.device.type == "cuda")
+        optimizer.zero_grad(set_to_none=True)
+        pending = 0
+        for epoch in range(training.epochs):
+            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+            ex, ws = [examples[i] for i in order], [weights[i] for i in order]
+            for batch, w in self._batches(ex, ws, training.micro_batch_size):
+                if float(w.sum()) == 0.0:
+                    continue  # all rejected: nothing to learn from this micro-batch
+                with self._autocast(training):
+                    loss = self._loss(batch, w) / training.flush_every
+                scaler.scale(loss).backward()
+                pending += 1
+                if pending == training.flush_every:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    pending = 0
+        if pending:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+
+
+def threads_from_env() -> None:
+    """Pin torch's CPU threads (STREAMTUNE_TORCH_THREADS, default 1) for reproducible steps."""
+    torch.set_num_threads(int(os.environ.get("STREAMTUNE_TORCH_THREADS", "1")))
