@@ -1,0 +1,55 @@
+"""Run `jobs/stream_finetune.py` on an embedded mini-cluster as a child process.
+
+Tests and benchmarks use it to kill a job with SIGKILL and restart it from its latest
+retained checkpoint, exactly as an operator would with `execution.state-recovery.path`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The newest completed checkpoint (a chk-N folder holding _metadata) under any job id."""
+    done = [m.parent for m in Path(checkpoint_dir).glob("*/chk-*/_metadata")]
+    return max(done, key=lambda p: (p.stat().st_mtime, int(p.name.split("-")[1])), default=None)
+
+
+class LocalJob:
+    def __init__(self, args: list[str], checkpoint_dir: Path, log_file: Path):
+        self.args, self.checkpoint_dir, self.log_file = args, Path(checkpoint_dir), Path(log_file)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, restore_from: Path | None = None) -> None:
+        cmd = [sys.executable, "-m", "jobs.stream_finetune", *self.args,
+               "--checkpoint-dir", f"file://{self.checkpoint_dir}"]
+        if restore_from:
+            cmd += ["--restore-from", f"file://{restore_from}"]
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:
+            log.write(f"\n=== {' '.join(cmd)}\n".encode())
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=dict(os.environ))
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole mini-cluster (JVM, Python workers): a crash, not a shutdown."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def restart_from_latest(self) -> Path | None:
+        chk = latest_checkpoint(self.checkpoint_dir)
+        self.start(restore_from=chk)
+        return chk
