@@ -62,10 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build(env: StreamExecutionEnvironment, args: argparse.Namespace) -> None:
     t_env = StreamTableEnvironment.create(env)
-    # An idle partition (e.g. the config topic) must not hold the watermark back.
-    t_env.get_config().set("table.exec.source.idle-timeout", "2 s")
     t_env.execute_sql(input_table_ddl("streamtune_input", [args.feedback_topic, args.config_topic],
-                                      args.bootstrap, f"{args.job_name}-input", args.lateness_ms))
+                                      args.bootstrap, f"{args.job_name}-input", args.lateness_ms,
+                                      control_topics=(args.config_topic,)))
     rows = t_env.to_data_stream(t_env.from_path("streamtune_input"))
 
     validated = rows.process(ValidateFunction(args.feedback_topic, args.config_topic, args.max_record_bytes),

@@ -1,34 +1,130 @@
-"""`streamtune demo`: bring the stack up and run a job end to end on it."""
+"""`streamtune demo`: the main job end to end on the local stack.
+
+It brings the stack up, saves a tiny Llama (built from a config, tokenizer trained here)
+as an HF directory, submits jobs/stream_finetune.py to the local Flink cluster, registers a
+config for a demo model, streams learnable feedback (`x=1234;y=` → `2345`, each digit +1)
+plus a few malformed records, registers versions in MLflow as their checkpoints complete,
+then loads the `champion` adapter from MLflow with plain PEFT and reports held-out exact
+match before and after.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
 import uuid
 from pathlib import Path
 
-from connectors.kafka import create_topic, read_topic
+from connectors.kafka import read_topic
 
+from .feedback import digit_samples, send_config, send_samples
 from .stack import Stack, StackConfig, StackError
 from .stack.flink import flink_cli
 
 REPO = Path(__file__).resolve().parents[1]
+WINDOW_SECONDS, SAMPLES_PER_WINDOW, WINDOWS = 4, 64, 14
+MALFORMED = [b"{not json", b'{"model_id": "x"}', b"[1, 2, 3]", b'{"prompt": 5}']
+
+
+def demo_spec(model_id: str, feedback_topic: str) -> dict:
+    return {"model_id": model_id, "stream_source": f"kafka://topic={feedback_topic}",
+            "adapter_config": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+            "trigger_policy": {"min_samples_per_window": SAMPLES_PER_WINDOW, "window_seconds": WINDOW_SECONDS},
+            "training": {"lr": 0.01, "micro_batch_size": 32, "epochs": 4}, "seed": 7}
+
+
+def champion_exact_match(config: StackConfig, model_id: str, base_dir: Path, held_out: list) -> tuple[float, float]:
+    """Exact match of the bare base and of base + the MLflow `champion` adapter, via plain PEFT."""
+    import mlflow
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .tinymodel import exact_match
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
+    baseline = exact_match(base, tokenizer, held_out)
+    mlflow.set_tracking_uri(config.mlflow_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}@champion", dst_path=tmp)
+        tuned = PeftModel.from_pretrained(base, adapter)
+        return baseline, exact_match(tuned, tokenizer, held_out)
 
 
 def run_demo(config: StackConfig, as_json: bool = False) -> int:
-    say = (lambda line: None) if as_json else print
+    from .registrar import Registrar, RegistrarConfig
+    from .tinymodel import build_tiny_llama, digit_pairs
+
+    say = (lambda line: None) if as_json else (lambda line: print(line, flush=True))
+    # Our own progress lines replace MLflow's per-run links and waits.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     Stack(config).up(echo=say)
-    run_id = uuid.uuid4().hex[:8]
-    topic = f"streamtune.smoke.{run_id}"
-    create_topic(config.kafka_bootstrap, topic)
-    say(f"submitting jobs/smoke.py to {config.flink_rest_url} (run {run_id})")
-    result = flink_cli(config, "run", "-py", str(REPO / "jobs" / "smoke.py"), "--bootstrap",
-                       config.kafka_bootstrap, "--topic", topic, "--run-id", run_id, "--count", "10")
-    if result.returncode != 0:
+    run = uuid.uuid4().hex[:6]
+    model_id = f"digits-demo-{run}"
+    topics = {k: f"streamtune.demo-{run}.{k}" for k in ("feedback", "configs", "versions", "dlq", "adapter-versions")}
+    base_dir = build_tiny_llama(config.data_dir / "models" / "tiny-llama")
+    say(f"base model: {base_dir}")
+
+    result = flink_cli(config, "run", "-d", "-py", str(REPO / "jobs" / "stream_finetune.py"),
+                       "--bootstrap", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
+                       "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
+                       "--dlq-topic", topics["dlq"], "--base-model", str(base_dir),
+                       "--artifact-dir", str(config.data_dir / "adapters"),
+                       "--checkpoint-interval-ms", "2000", "--job-name", f"demo-{run}")
+    job = re.search(r"JobID ([0-9a-f]{32})", result.stdout)
+    if result.returncode != 0 or not job:
         raise StackError(f"flink run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    records = [json.loads(r.value) for r in read_topic(config.kafka_bootstrap, topic, expect=10)]
-    summary = {"job": "smoke", "run_id": run_id, "topic": topic, "records": len(records),
-               "flink": config.flink_rest_url}
-    say(f"smoke job wrote {len(records)} records to {topic}")
+    job_id = job.group(1)
+    say(f"job {job_id} submitted to {config.flink_rest_url}")
+
+    held_out = digit_pairs(200, seed=999)
+    train = digit_pairs(SAMPLES_PER_WINDOW * WINDOWS, seed=1, exclude={p[2:6] for p, _ in held_out})
+    window_ms = WINDOW_SECONDS * 1000
+    start = (int(time.time() * 1000) // window_ms - WINDOWS - 2) * window_ms
+    send_config(config.kafka_bootstrap, topics["configs"], demo_spec(model_id, topics["feedback"]), start)
+    samples = digit_samples(model_id, train, start, window_ms / SAMPLES_PER_WINDOW, id_prefix=f"{run}-")
+    # One later sample closes the last window (event time only moves with the data).
+    closer = digit_samples(model_id, train[:1], start + WINDOWS * window_ms, 1, id_prefix=f"{run}-closer-")
+    sent = send_samples(config.kafka_bootstrap, topics["feedback"], samples + closer)
+    from kafka import KafkaProducer
+
+    bad = KafkaProducer(bootstrap_servers=config.kafka_bootstrap)
+    for payload in MALFORMED:
+        bad.send(topics["feedback"], payload, timestamp_ms=start)
+    bad.flush()
+    bad.close()
+    say(f"sent {sent} feedback samples ({WINDOWS} windows of {SAMPLES_PER_WINDOW}) and {len(MALFORMED)} malformed records")
+
+    registrar = Registrar(RegistrarConfig(config.kafka_bootstrap, config.mlflow_uri, topics["versions"],
+                                          topics["adapter-versions"], f"demo-{run}-registrar"), on_event=say)
+    stop = threading.Event()
+    worker = threading.Thread(target=registrar.run, args=(stop,), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 300
+    while registrar.counts["registered"] < WINDOWS and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stop.set()
+    worker.join(timeout=30)
+    registrar.close()
+    cancel = flink_cli(config, "cancel", job_id, timeout=60)
+    say(f"job {job_id} cancelled" if cancel.returncode == 0 else f"cancel failed: {cancel.stderr[-500:]}")
+    if registrar.counts["registered"] < WINDOWS:
+        raise StackError(f"only {registrar.counts['registered']} of {WINDOWS} versions registered in 300 s")
+
+    dlq = read_topic(config.kafka_bootstrap, topics["dlq"], expect=len(MALFORMED), timeout=20)
+    baseline, final = champion_exact_match(config, model_id, base_dir, held_out)
+    summary = {"model_id": model_id, "versions": registrar.counts["registered"],
+               "baseline_exact_match": baseline, "final_exact_match": final,
+               "samples": sent, "dlq": len(dlq), "tracking_uri": config.mlflow_uri}
     if as_json:
         print(json.dumps(summary))
-    return 0 if len(records) == 10 else 1
+    else:
+        say(f"held-out exact match: {baseline:.2f} before, {final:.2f} with models:/{model_id}@champion")
+        say(json.dumps(summary, indent=2))
+    return 0

@@ -39,9 +39,9 @@ def send_samples(bootstrap: str, topic: str, samples: Iterable[dict]) -> int:
     return n
 
 
-def digit_samples(model_id: str, pairs: list[tuple[str, str]], start_ms: int, spacing_ms: int,
+def digit_samples(model_id: str, pairs: list[tuple[str, str]], start_ms: int, spacing_ms: float,
                   id_prefix: str = "s") -> list[dict]:
     """Feedback samples for (prompt, completion) pairs, `spacing_ms` apart in event time."""
     return [{"model_id": model_id, "sample_id": f"{id_prefix}{i}", "prompt": prompt, "completion": completion,
-             "label": "corrected", "ts": start_ms + i * spacing_ms}
+             "label": "corrected", "ts": start_ms + int(i * spacing_ms)}
             for i, (prompt, completion) in enumerate(pairs)]
