@@ -13,22 +13,32 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 from connectors.kafka import read_topic
 
 from .feedback import digit_samples, send_config, send_samples
 from .stack import Stack, StackConfig, StackError
-from .stack.flink import flink_cli
+from .stack.flink import cancel_job, submit_detached
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW_SECONDS, SAMPLES_PER_WINDOW, WINDOWS = 4, 64, 14
 MALFORMED = [b"{not json", b'{"model_id": "x"}', b"[1, 2, 3]", b'{"prompt": 5}']
+
+
+def quiet_libraries() -> None:
+    """Our progress lines replace MLflow's run links and the libraries' progress bars."""
+    for var in ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(var, "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def demo_spec(model_id: str, feedback_topic: str) -> dict:
@@ -61,9 +71,7 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     from .tinymodel import build_tiny_llama, digit_pairs
 
     say = (lambda line: None) if as_json else (lambda line: print(line, flush=True))
-    # Our own progress lines replace MLflow's per-run links and waits.
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    quiet_libraries()
     Stack(config).up(echo=say)
     run = uuid.uuid4().hex[:6]
     model_id = f"digits-demo-{run}"
@@ -71,16 +79,12 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     base_dir = build_tiny_llama(config.data_dir / "models" / "tiny-llama")
     say(f"base model: {base_dir}")
 
-    result = flink_cli(config, "run", "-d", "-py", str(REPO / "jobs" / "stream_finetune.py"),
-                       "--bootstrap", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
-                       "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
-                       "--dlq-topic", topics["dlq"], "--base-model", str(base_dir),
-                       "--artifact-dir", str(config.data_dir / "adapters"),
-                       "--checkpoint-interval-ms", "2000", "--job-name", f"demo-{run}")
-    job = re.search(r"JobID ([0-9a-f]{32})", result.stdout)
-    if result.returncode != 0 or not job:
-        raise StackError(f"flink run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    job_id = job.group(1)
+    job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", [
+        "--bootstrap", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
+        "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
+        "--dlq-topic", topics["dlq"], "--base-model", str(base_dir),
+        "--artifact-dir", str(config.data_dir / "adapters"),
+        "--checkpoint-interval-ms", "2000", "--job-name", f"demo-{run}"])
     say(f"job {job_id} submitted to {config.flink_rest_url}")
 
     held_out = digit_pairs(200, seed=999)
@@ -112,8 +116,8 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     stop.set()
     worker.join(timeout=30)
     registrar.close()
-    cancel = flink_cli(config, "cancel", job_id, timeout=60)
-    say(f"job {job_id} cancelled" if cancel.returncode == 0 else f"cancel failed: {cancel.stderr[-500:]}")
+    cancel_job(config, job_id)
+    say(f"job {job_id} cancelled")
     if registrar.counts["registered"] < WINDOWS:
         raise StackError(f"only {registrar.counts['registered']} of {WINDOWS} versions registered in 300 s")
 

@@ -143,3 +143,23 @@ def flink_cli(config, *args: str, timeout: float = 300) -> subprocess.CompletedP
     """Run pyflink's `flink` command line against the stack's cluster (e.g. `run -d -py job.py`)."""
     return subprocess.run([str(flink_home() / "bin" / "flink"), *args], env=Flink(config).env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def submit_detached(config, script: Path, args: list[str]) -> str:
+    """`flink run -d -py script args…` against the stack's cluster; returns the job id."""
+    import re
+
+    result = flink_cli(config, "run", "-d", "-py", str(script), *args)
+    job = re.search(r"JobID ([0-9a-f]{32})", result.stdout)
+    if result.returncode != 0 or not job:
+        raise StackError(f"flink run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return job.group(1)
+
+
+def job_state(config, job_id: str) -> str:
+    return requests.get(f"{config.flink_rest_url}/jobs/{job_id}", timeout=5).json()["state"]
+
+
+def cancel_job(config, job_id: str) -> None:
+    """Cancel a job (its retained checkpoints stay); a job already ended is left as it is."""
+    requests.patch(f"{config.flink_rest_url}/jobs/{job_id}", params={"mode": "cancel"}, timeout=10)
