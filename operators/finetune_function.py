@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyflink.common import Types
-from pyflink.datastream import KeyedProcessFunction
+from pyflink.datastream import KeyedProcessFunction, TimeDomain
 from pyflink.datastream.state import ValueStateDescriptor
 
 from operators.validate import DLQ_TAG, dead_letter
@@ -74,7 +74,7 @@ class FinetuneFunction(KeyedProcessFunction):
         self.config = state("config")      # {"spec": json, "version": int, "hash": str}
         self.pending = state("pending")    # list[Pending]
         self.timer = state("window_timer")  # event time of the next window end, or None
-        self.grace = state("grace_timer")  # event time the unknown-model grace ends, or None
+        self.grace = state("grace_timer")  # processing time the unknown-model grace ends, or None
         self.adapter = state("adapter")    # LoraTrainer state dict
         self.seq = state("seq")            # versions emitted so far
         metrics = runtime_context.get_metrics_group()
@@ -94,9 +94,11 @@ class FinetuneFunction(KeyedProcessFunction):
         cfg = self.config.value()
         if cfg is None:
             if self.grace.value() is None:
-                deadline = ts + self.settings.unknown_model_grace_ms
+                # Wall-clock grace: a config sent moments after the first samples always wins,
+                # even when a backlog moves event time far ahead within those moments.
+                deadline = ctx.timer_service().current_processing_time() + self.settings.unknown_model_grace_ms
                 self.grace.update(deadline)
-                ctx.timer_service().register_event_time_timer(deadline)
+                ctx.timer_service().register_processing_time_timer(deadline)
             self.pending.update(pending)
             return
         spec = FinetuneSpec.model_validate_json(cfg["spec"])
@@ -124,7 +126,9 @@ class FinetuneFunction(KeyedProcessFunction):
     # -- time ---------------------------------------------------------------------------
     def on_timer(self, timestamp, ctx):
         model_id = ctx.get_current_key()
-        if self.grace.value() == timestamp:
+        if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
+            if self.grace.value() != timestamp:
+                return
             self.grace.clear()
             if self.config.value() is None:
                 for s in self.pending.value() or []:
@@ -134,6 +138,7 @@ class FinetuneFunction(KeyedProcessFunction):
                         f"{self.settings.unknown_model_grace_ms} ms grace period",
                         s.payload, s.topic, s.partition, s.offset, s.ts, "sample", model_id)
                 self.pending.clear()
+            return
         if self.timer.value() == timestamp:
             self.timer.clear()
             cfg = self.config.value()

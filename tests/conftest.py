@@ -22,3 +22,12 @@ def stack_config() -> StackConfig:
 def unique() -> str:
     """A short random name part, so tests never share topics, tables or models."""
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def base_model(stack_config):
+    """The tiny Llama + locally trained tokenizer, as an HF directory (built once, cached)."""
+    from streamtune.tinymodel import build_tiny_llama
+
+    return build_tiny_llama(stack_config.data_dir / "models" / "tiny-llama")
+

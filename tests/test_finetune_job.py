@@ -1,0 +1,152 @@
+"""The streaming fine-tuning job on the local Flink cluster: routing, DLQ, carry-over, hot config.
+
+One job per scenario, submitted with `flink run -d -py`; assertions read the job's output
+topics and compare them with what the test produced.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobkit import job_args, job_topics, spec, wait_for_records
+from streamtune.feedback import digit_samples, send_config, send_samples
+from streamtune.stack.flink import cancel_job, submit_detached
+from streamtune.tinymodel import digit_pairs
+
+pytestmark = pytest.mark.finetune
+REPO = Path(__file__).resolve().parents[1]
+T0 = 1_750_000_000_000  # event time of the scenarios (windows are epoch aligned)
+
+
+def malformed_records(n: int, model_id: str, seed: int) -> list[tuple[bytes, str]]:
+    """n bad payloads of several kinds, with the reason code the job must give each."""
+    rng = random.Random(seed)
+    good = {"model_id": model_id, "sample_id": "x", "prompt": "x=1;y=", "completion": "2", "ts": T0}
+    kinds = [
+        (lambda i: f'{{"model_id": "{model_id}", "broken'.encode(), "bad_json"),
+        (lambda i: json.dumps({**good, "completion": ""}).encode(), "schema"),
+        (lambda i: json.dumps({k: v for k, v in good.items() if k != "prompt"}).encode(), "schema"),
+        (lambda i: json.dumps({**good, "weight": "heavy"}).encode(), "schema"),
+        (lambda i: json.dumps({**good, "label": "maybe"}).encode(), "schema"),
+        (lambda i: json.dumps({**good, "model_id": "has spaces!"}).encode(), "schema"),
+        (lambda i: json.dumps([1, 2, i]).encode(), "schema"),
+        (lambda i: json.dumps({**good, "prompt": "x" * 70000}).encode(), "oversized"),
+        (lambda i: b"\x00\x01 binary", "bad_json"),
+    ]
+    return [(make(i), reason) for i in range(n) for make, reason in [rng.choice(kinds)]]
+
+
+@pytest.fixture(scope="module")
+def scenario(stack_config, base_model, tmp_path_factory):
+    """Two models, a model whose config comes late, an unknown model, 1000 malformed records."""
+    from kafka import KafkaProducer
+
+    u = f"{time.time_ns() % 10**9:x}"
+    topics = job_topics(stack_config.kafka_bootstrap, f"test.scenario-{u}")
+    models = {"a": f"a-{u}", "b": f"b-{u}", "late": f"late-{u}", "ghost": f"ghost-{u}"}
+    artifacts = tmp_path_factory.mktemp("adapters")
+    job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
+        topics, base_model, artifacts, "--bootstrap", stack_config.kafka_bootstrap,
+        "--unknown-model-grace-seconds", "6", "--checkpoint-interval-ms", "1000", "--job-name", f"scenario-{u}"))
+    try:
+        send_config(stack_config.kafka_bootstrap, topics["configs"], spec(models["a"], topics, rank=4, min_samples=8), T0)
+        send_config(stack_config.kafka_bootstrap, topics["configs"],
+                    spec(models["b"], topics, rank=8, targets=("q_proj",), min_samples=5, window_seconds=3), T0)
+        pairs = digit_pairs(400, seed=3)
+        # 20 s of event time: a at 10/s, b at 5/s; the late model's samples precede its config.
+        samples = (digit_samples(models["a"], pairs[:200], T0, 100, id_prefix="a")
+                   + digit_samples(models["b"], pairs[200:300], T0, 200, id_prefix="b")
+                   + digit_samples(models["late"], pairs[300:340], T0, 250, id_prefix="late")
+                   + digit_samples(models["ghost"], pairs[340:343], T0, 1000, id_prefix="ghost"))
+        samples.sort(key=lambda s: s["ts"])
+        bad = malformed_records(1000, models["a"], seed=5)
+        producer = KafkaProducer(bootstrap_servers=stack_config.kafka_bootstrap, acks="all")
+        bad_offsets, per_sample = {}, -(-len(bad) // len(samples))
+        for i, s in enumerate(samples):
+            producer.send(topics["feedback"], json.dumps(s).encode(), timestamp_ms=s["ts"])
+            for payload, reason in bad[i * per_sample:(i + 1) * per_sample]:
+                meta = producer.send(topics["feedback"], payload, timestamp_ms=s["ts"]).get(timeout=10)
+                bad_offsets[meta.offset] = reason
+        producer.flush()
+        time.sleep(1)  # the late model's config comes a moment after its samples, within the grace
+        send_config(stack_config.kafka_bootstrap, topics["configs"],
+                    spec(models["late"], topics, min_samples=10, window_seconds=5), T0 + 1000)
+        # Samples 25 s later close every window above (and the ghost's grace period).
+        closers = [dict(s, sample_id=f"closer-{s['model_id']}", ts=T0 + 45_000)
+                   for s in digit_samples(models["a"], pairs[:1], T0, 1) + digit_samples(models["b"], pairs[:1], T0, 1)
+                   + digit_samples(models["late"], pairs[:1], T0, 1)]
+        send_samples(stack_config.kafka_bootstrap, topics["feedback"], closers)
+        expected_windows = 10 + 7 + 2  # a: 20 s in 2 s windows; b: 3 s windows (epoch aligned); late: 5 s
+        versions = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], expected_windows, timeout=180)
+        dlq = wait_for_records(stack_config.kafka_bootstrap, topics["dlq"], len(bad_offsets) + 3, timeout=60)
+        yield {"topics": topics, "models": models, "samples": samples, "bad_offsets": bad_offsets,
+               "versions": versions, "dlq": dlq, "closers": closers}
+    finally:
+        cancel_job(stack_config, job)
+
+
+def test_malformed_records_go_to_dlq_each_with_its_reason(scenario):
+    dlq = [d for d in scenario["dlq"] if d["reason"] != "unknown_model"]
+    by_offset = {d["source"]["offset"]: d for d in dlq}
+    assert len(dlq) == len(by_offset) == 1000, "each malformed record dead-lettered exactly once"
+    assert {o: d["reason"] for o, d in by_offset.items()} == scenario["bad_offsets"]
+    assert all(d["detail"] and d["source"]["topic"] == scenario["topics"]["feedback"] for d in dlq)
+    payload = next(d for d in dlq if d["reason"] == "bad_json")["payload"]
+    assert payload.startswith('{"model_id"') or "binary" in payload, "the original payload is kept"
+
+
+def test_unknown_model_is_dead_lettered_after_grace_and_late_config_loses_nothing(scenario):
+    ghost = scenario["models"]["ghost"]
+    unknown = [d for d in scenario["dlq"] if d["reason"] == "unknown_model"]
+    assert sorted(json.loads(d["payload"])["sample_id"] for d in unknown) == ["ghost0", "ghost1", "ghost2"]
+    assert all(d["model_id"] == ghost and "grace" in d["detail"] for d in unknown)
+    late = scenario["models"]["late"]
+    trained = [sid for v in scenario["versions"] if v["model_id"] == late for sid in v["lineage"]["sample_ids"]]
+    assert sorted(trained) == sorted(f"late{i}" for i in range(40))
+
+
+def test_two_models_get_separate_adapters_and_version_sequences(scenario):
+    a, b = scenario["models"]["a"], scenario["models"]["b"]
+    versions = scenario["versions"]
+    va = [v for v in versions if v["model_id"] == a]
+    vb = [v for v in versions if v["model_id"] == b]
+    assert [v["seq"] for v in va] == list(range(1, len(va) + 1)) and len(va) == 10
+    assert [v["seq"] for v in vb] == list(range(1, len(vb) + 1)) and len(vb) == 7
+    assert {(v["adapter"]["rank"], tuple(v["adapter"]["target_modules"])) for v in va} == {(4, ("q_proj", "v_proj"))}
+    assert {(v["adapter"]["rank"], tuple(v["adapter"]["target_modules"])) for v in vb} == {(8, ("q_proj",))}
+    ids_a = {s for v in va for s in v["lineage"]["sample_ids"]}
+    ids_b = {s for v in vb for s in v["lineage"]["sample_ids"]}
+    assert ids_a == {f"a{i}" for i in range(200)} and ids_b == {f"b{i}" for i in range(100)}
+    assert all(Path(v["artifact_dir"], "adapter_model.safetensors").exists() for v in va + vb)
+    assert len({v["artifact_dir"] for v in va + vb}) == len(va) + len(vb)
+
+
+def test_counts_reconcile_every_valid_sample_in_exactly_one_version(scenario):
+    lineage = [s for v in scenario["versions"] for s in v["lineage"]["sample_ids"]]
+    assert len(lineage) == len(set(lineage)), "no sample trained twice"
+    produced_valid = {s["sample_id"] for s in scenario["samples"]} | {c["sample_id"] for c in scenario["closers"]}
+    dead = {json.loads(d["payload"])["sample_id"] for d in scenario["dlq"] if d["reason"] == "unknown_model"}
+    pending = {c["sample_id"] for c in scenario["closers"]}  # the closers wait for a later window
+    assert set(lineage) | dead | pending == produced_valid
+    assert len(lineage) + len(dead) + len(pending) == len(produced_valid)
+    records_in = len(scenario["samples"]) + len(scenario["closers"]) + len(scenario["bad_offsets"])
+    dead_lettered = len(scenario["dlq"])
+    assert records_in == len(lineage) + len(pending) + dead_lettered
+
+
+def test_demo_champion_lifts_held_out_exact_match(stack_config):
+    result = subprocess.run([sys.executable, "-m", "streamtune.cli", "demo", "--json"], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["baseline_exact_match"] <= 0.05
+    assert summary["final_exact_match"] >= 0.9
+    assert summary["versions"] == 14 and summary["dlq"] == 4 and summary["samples"] == 897
+    assert summary["tracking_uri"] == stack_config.mlflow_uri
