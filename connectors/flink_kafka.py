@@ -20,7 +20,7 @@ _END_OF_TIME_MS = 253402300799000
 
 
 def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str, lateness_ms: int,
-                    control_topics: tuple[str, ...] = ()) -> str:
+                    idle_timeout_ms: int, control_topics: tuple[str, ...] = ()) -> str:
     """A raw-string Kafka table over `topics` with source metadata and an event-time watermark.
 
     Watermarks are generated per partition at the source. Partitions of `control_topics`
@@ -45,7 +45,7 @@ def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str,
             'properties.group.id' = '{group_id}',
             'properties.isolation.level' = 'read_committed',
             'scan.startup.mode' = 'earliest-offset',
-            'scan.watermark.idle-timeout' = '2 s',
+            'scan.watermark.idle-timeout' = '{idle_timeout_ms} ms',
             'format' = 'raw'
         )"""
 

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--unknown-model-grace-seconds", type=float, default=30.0)
     p.add_argument("--max-record-bytes", type=int, default=65536)
     p.add_argument("--lateness-ms", type=int, default=0)
+    p.add_argument("--idle-timeout-ms", type=int, default=int(os.environ.get("STREAMTUNE_IDLE_TIMEOUT_MS", 2000)),
+                   help="a partition without records this long stops holding the watermark")
     p.add_argument("--checkpoint-interval-ms", type=int, default=None)
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build(env: StreamExecutionEnvironment, args: argparse.Namespace) -> None:
     t_env = StreamTableEnvironment.create(env)
     t_env.execute_sql(input_table_ddl("streamtune_input", [args.feedback_topic, args.config_topic],
-                                      args.bootstrap, f"{args.job_name}-input", args.lateness_ms,
+                                      args.bootstrap, f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms,
                                       control_topics=(args.config_topic,)))
     rows = t_env.to_data_stream(t_env.from_path("streamtune_input"))
 
@@ -71,7 +73,8 @@ def build(env: StreamExecutionEnvironment, args: argparse.Namespace) -> None:
                              output_type=VALID_TYPE).name("validate").uid("validate")
     settings = TrainerSettings(default_base_model=str(Path(args.base_model).resolve()),
                                artifact_dir=str(Path(args.artifact_dir).resolve()),
-                               unknown_model_grace_ms=int(args.unknown_model_grace_seconds * 1000))
+                               unknown_model_grace_ms=int(args.unknown_model_grace_seconds * 1000),
+                               lateness_ms=args.lateness_ms)
     versions = (validated.key_by(lambda r: r[1], key_type=Types.STRING())
                 .process(FinetuneFunction(settings), output_type=Types.STRING())
                 .name("lora-trainer").uid("lora-trainer"))

@@ -32,6 +32,7 @@ class TrainerSettings:
     default_base_model: str
     artifact_dir: str
     unknown_model_grace_ms: int
+    lateness_ms: int = 0
 
 
 def version_id_for(model_id: str, end: int, batch: list[Pending]) -> str:
@@ -87,11 +88,16 @@ class FinetuneFunction(KeyedProcessFunction):
         if kind == "config":
             self._on_config(body, ctx)
             return
+        cfg = self.config.value()
+        if cfg is not None:
+            # The model's own data has moved past these window ends: close them before this
+            # sample joins, exactly as on every replay of the same records.
+            spec = FinetuneSpec.model_validate_json(cfg["spec"])
+            yield from self._close_windows(ctx, spec, cfg, ts - self.settings.lateness_ms)
         sample = FeedbackSample.model_validate_json(body)
         pending = (self.pending.value() or []) + [Pending(
             sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
             body)]
-        cfg = self.config.value()
         if cfg is None:
             if self.grace.value() is None:
                 # Wall-clock grace: a config sent moments after the first samples always wins,
@@ -101,7 +107,6 @@ class FinetuneFunction(KeyedProcessFunction):
                 ctx.timer_service().register_processing_time_timer(deadline)
             self.pending.update(pending)
             return
-        spec = FinetuneSpec.model_validate_json(cfg["spec"])
         batch, pending = capped_batch(pending, spec.trigger_policy.max_samples_per_step)
         if batch:
             end = window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
@@ -119,9 +124,12 @@ class FinetuneFunction(KeyedProcessFunction):
 
     def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
         if pending and self.timer.value() is None:
-            at = window_end(min(s.ts for s in pending), spec.trigger_policy.window_seconds)
-            self.timer.update(at)
-            ctx.timer_service().register_event_time_timer(at)
+            self._set_window_end(ctx, window_end(min(s.ts for s in pending), spec.trigger_policy.window_seconds))
+
+    def _set_window_end(self, ctx, at: int) -> None:
+        self.timer.update(at)
+        # The watermark closes the window when the model's own data stops coming.
+        ctx.timer_service().register_event_time_timer(at)
 
     # -- time ---------------------------------------------------------------------------
     def on_timer(self, timestamp, ctx):
@@ -139,20 +147,21 @@ class FinetuneFunction(KeyedProcessFunction):
                         s.payload, s.topic, s.partition, s.offset, s.ts, "sample", model_id)
                 self.pending.clear()
             return
-        if self.timer.value() == timestamp:
+        cfg = self.config.value()
+        if cfg is not None:
+            yield from self._close_windows(ctx, FinetuneSpec.model_validate_json(cfg["spec"]), cfg, timestamp)
+
+    def _close_windows(self, ctx, spec: FinetuneSpec, cfg: dict, up_to: int):
+        """Close every window ending at or before `up_to`: fire it, or carry its samples over."""
+        model_id = ctx.get_current_key()
+        while (end := self.timer.value()) is not None and end <= up_to:
             self.timer.clear()
-            cfg = self.config.value()
-            if cfg is None:
-                return
-            spec = FinetuneSpec.model_validate_json(cfg["spec"])
-            batch, rest = due_batch(self.pending.value() or [], timestamp, spec.trigger_policy.min_samples_per_window)
+            batch, rest = due_batch(self.pending.value() or [], end, spec.trigger_policy.min_samples_per_window)
             if batch:
-                yield self._fire(model_id, spec, cfg, batch, timestamp, "window")
+                yield self._fire(model_id, spec, cfg, batch, end, "window")
             self.pending.update(rest)
-            if rest:  # carried-over or future samples wait for the next window end
-                at = window_end(timestamp, spec.trigger_policy.window_seconds)
-                self.timer.update(at)
-                ctx.timer_service().register_event_time_timer(at)
+            if rest:  # carried-over or later samples wait for the next window end
+                self._set_window_end(ctx, window_end(end, spec.trigger_policy.window_seconds))
 
     # -- a training step ------------------------------------------------------------------
     def _fire(self, model_id: str, spec: FinetuneSpec, cfg: dict, batch: list[Pending], end: int,
