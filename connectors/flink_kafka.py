@@ -15,20 +15,13 @@ from pyflink.datastream.connectors.kafka import KafkaRecordSerializationSchema, 
 TRANSACTION_TIMEOUT_MS = "900000"
 
 
-# 9999-12-31: the watermark a control topic's partition reports, so it never holds event time back.
-_END_OF_TIME_MS = 253402300799000
-
-
 def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str, lateness_ms: int,
-                    idle_timeout_ms: int, control_topics: tuple[str, ...] = ()) -> str:
+                    idle_timeout_ms: int) -> str:
     """A raw-string Kafka table over `topics` with source metadata and an event-time watermark.
 
-    Watermarks are generated per partition at the source. Partitions of `control_topics`
-    (e.g. configs: rare records, stamped whenever they were sent) report the end of time,
-    so only data partitions move event time; empty partitions go idle after
-    `scan.watermark.idle-timeout`.
+    Watermarks are generated per partition at the source, from the Kafka record timestamps;
+    a partition without records for `idle_timeout_ms` stops holding the watermark back.
     """
-    control = " OR ".join(f"`topic` = '{t}'" for t in control_topics) or "FALSE"
     return f"""
         CREATE TEMPORARY TABLE `{name}` (
             `payload` STRING,
@@ -36,8 +29,7 @@ def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str,
             `partition` INT METADATA VIRTUAL,
             `offset` BIGINT METADATA VIRTUAL,
             `ts` TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
-            WATERMARK FOR `ts` AS CASE WHEN {control} THEN TO_TIMESTAMP_LTZ({_END_OF_TIME_MS}, 3)
-                                       ELSE `ts` - INTERVAL '{lateness_ms / 1000:.3f}' SECOND END
+            WATERMARK FOR `ts` AS `ts` - INTERVAL '{lateness_ms / 1000:.3f}' SECOND
         ) WITH (
             'connector' = 'kafka',
             'topic' = '{";".join(topics)}',

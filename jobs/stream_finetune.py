@@ -65,8 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build(env: StreamExecutionEnvironment, args: argparse.Namespace) -> None:
     t_env = StreamTableEnvironment.create(env)
     t_env.execute_sql(input_table_ddl("streamtune_input", [args.feedback_topic, args.config_topic],
-                                      args.bootstrap, f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms,
-                                      control_topics=(args.config_topic,)))
+                                      args.bootstrap, f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms))
     rows = t_env.to_data_stream(t_env.from_path("streamtune_input"))
 
     validated = rows.process(ValidateFunction(args.feedback_topic, args.config_topic, args.max_record_bytes),

@@ -74,7 +74,7 @@ class FinetuneFunction(KeyedProcessFunction):
 
         self.config = state("config")      # {"spec": json, "version": int, "hash": str}
         self.pending = state("pending")    # list[Pending]
-        self.timer = state("window_timer")  # event time of the next window end, or None
+        self.timer = state("window_end")   # end of the next window to close, or None
         self.grace = state("grace_timer")  # processing time the unknown-model grace ends, or None
         self.adapter = state("adapter")    # LoraTrainer state dict
         self.seq = state("seq")            # versions emitted so far
@@ -86,7 +86,7 @@ class FinetuneFunction(KeyedProcessFunction):
     def process_element(self, value, ctx):
         kind, model_id, body, topic, partition, offset, ts = value
         if kind == "config":
-            self._on_config(body, ctx)
+            yield from self._on_config(body, ctx)
             return
         cfg = self.config.value()
         if cfg is not None:
@@ -112,24 +112,29 @@ class FinetuneFunction(KeyedProcessFunction):
             end = window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
             yield self._fire(ctx.get_current_key(), spec, cfg, batch, end, "max_samples")
         self.pending.update(pending)
-        self._ensure_window_timer(ctx, spec, pending)
+        if not pending:
+            self.timer.clear()
+        self._ensure_window_timer(ctx, spec, pending[-1:])
 
     def _on_config(self, body: str, ctx):
         spec = FinetuneSpec.model_validate_json(body)
         cfg = self.config.value()
         if cfg is None or cfg["hash"] != spec.spec_hash():
             version = (cfg["version"] if cfg else 0) + 1
-            self.config.update({"spec": body, "version": version, "hash": spec.spec_hash()})
-        self._ensure_window_timer(ctx, spec, self.pending.value() or [])
+            cfg = {"spec": body, "version": version, "hash": spec.spec_hash()}
+            self.config.update(cfg)
+        pending = self.pending.value() or []
+        self._ensure_window_timer(ctx, spec, pending)
+        if pending:  # samples that waited for this config: close what their own data has passed
+            yield from self._close_windows(ctx, spec, cfg, max(s.ts for s in pending) - self.settings.lateness_ms)
 
     def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
+        """The watermark closes the window of each pending sample when the model's data stops."""
+        size = spec.trigger_policy.window_seconds
         if pending and self.timer.value() is None:
-            self._set_window_end(ctx, window_end(min(s.ts for s in pending), spec.trigger_policy.window_seconds))
-
-    def _set_window_end(self, ctx, at: int) -> None:
-        self.timer.update(at)
-        # The watermark closes the window when the model's own data stops coming.
-        ctx.timer_service().register_event_time_timer(at)
+            self.timer.update(window_end(min(s.ts for s in pending), size))
+        for end in {window_end(s.ts, size) for s in pending}:
+            ctx.timer_service().register_event_time_timer(end)  # idempotent per (key, time)
 
     # -- time ---------------------------------------------------------------------------
     def on_timer(self, timestamp, ctx):
@@ -152,16 +157,26 @@ class FinetuneFunction(KeyedProcessFunction):
             yield from self._close_windows(ctx, FinetuneSpec.model_validate_json(cfg["spec"]), cfg, timestamp)
 
     def _close_windows(self, ctx, spec: FinetuneSpec, cfg: dict, up_to: int):
-        """Close every window ending at or before `up_to`: fire it, or carry its samples over."""
-        model_id = ctx.get_current_key()
-        while (end := self.timer.value()) is not None and end <= up_to:
-            self.timer.clear()
-            batch, rest = due_batch(self.pending.value() or [], end, spec.trigger_policy.min_samples_per_window)
+        """Close every window ending at or before `up_to`: fire it, or carry its samples over.
+
+        Windows holding no pending sample are skipped, and once only carried-over samples
+        remain the loop stops: nothing can change for them until new samples arrive.
+        """
+        model_id, size = ctx.get_current_key(), spec.trigger_policy.window_seconds
+        pending, end = self.pending.value() or [], self.timer.value()
+        while pending and end is not None and end <= up_to:
+            batch, pending = due_batch(pending, end, spec.trigger_policy.min_samples_per_window)
             if batch:
                 yield self._fire(model_id, spec, cfg, batch, end, "window")
-            self.pending.update(rest)
-            if rest:  # carried-over or later samples wait for the next window end
-                self._set_window_end(ctx, window_end(end, spec.trigger_policy.window_seconds))
+            newer = [s.ts for s in pending if s.ts >= end]
+            end = window_end(min(newer) if newer else end, size)
+            if not newer:
+                break
+        self.pending.update(pending)
+        if pending:
+            self.timer.update(end)
+        else:
+            self.timer.clear()
 
     # -- a training step ------------------------------------------------------------------
     def _fire(self, model_id: str, spec: FinetuneSpec, cfg: dict, batch: list[Pending], end: int,

@@ -54,7 +54,7 @@ def scenario(stack_config, base_model, tmp_path_factory):
     artifacts = tmp_path_factory.mktemp("adapters")
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, artifacts, "--bootstrap", stack_config.kafka_bootstrap,
-        "--unknown-model-grace-seconds", "6", "--checkpoint-interval-ms", "1000", "--job-name", f"scenario-{u}"))
+        "--unknown-model-grace-seconds", "10", "--checkpoint-interval-ms", "1000", "--job-name", f"scenario-{u}"))
     try:
         send_config(stack_config.kafka_bootstrap, topics["configs"], spec(models["a"], topics, rank=4, min_samples=8), T0)
         send_config(stack_config.kafka_bootstrap, topics["configs"],
@@ -68,13 +68,13 @@ def scenario(stack_config, base_model, tmp_path_factory):
         samples.sort(key=lambda s: s["ts"])
         bad = malformed_records(1000, models["a"], seed=5)
         producer = KafkaProducer(bootstrap_servers=stack_config.kafka_bootstrap, acks="all")
-        bad_offsets, per_sample = {}, -(-len(bad) // len(samples))
+        sent_bad, per_sample = [], -(-len(bad) // len(samples))
         for i, s in enumerate(samples):
             producer.send(topics["feedback"], json.dumps(s).encode(), timestamp_ms=s["ts"])
             for payload, reason in bad[i * per_sample:(i + 1) * per_sample]:
-                meta = producer.send(topics["feedback"], payload, timestamp_ms=s["ts"]).get(timeout=10)
-                bad_offsets[meta.offset] = reason
+                sent_bad.append((producer.send(topics["feedback"], payload, timestamp_ms=s["ts"]), reason))
         producer.flush()
+        bad_offsets = {future.get(timeout=10).offset: reason for future, reason in sent_bad}
         time.sleep(1)  # the late model's config comes a moment after its samples, within the grace
         send_config(stack_config.kafka_bootstrap, topics["configs"],
                     spec(models["late"], topics, min_samples=10, window_seconds=5), T0 + 1000)
@@ -150,3 +150,44 @@ def test_demo_champion_lifts_held_out_exact_match(stack_config):
     assert summary["final_exact_match"] >= 0.9
     assert summary["versions"] == 14 and summary["dlq"] == 4 and summary["samples"] == 897
     assert summary["tracking_uri"] == stack_config.mlflow_uri
+
+
+def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lettered(
+        stack_config, base_model, tmp_path, unique):
+    """min_samples 10 → 20 and rank 4 → 8 mid-stream; then an invalid config that must not apply."""
+    topics = job_topics(stack_config.kafka_bootstrap, f"test.hot-{unique}")
+    model_id = f"hot-{unique}"
+    job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
+        topics, base_model, tmp_path, "--bootstrap", stack_config.kafka_bootstrap,
+        "--checkpoint-interval-ms", "1000", "--job-name", f"hot-{unique}"))
+    bs = stack_config.kafka_bootstrap
+    pairs = digit_pairs(200, seed=9)
+    try:
+        send_config(bs, topics["configs"], spec(model_id, topics, rank=4, min_samples=10, window_seconds=2), T0)
+        # Phase 1: four 2 s windows of 12 samples; the first three close (12 >= 10).
+        send_samples(bs, topics["feedback"], digit_samples(model_id, pairs[:48], T0, 2000 / 12, id_prefix="p1-"))
+        first = wait_for_records(bs, topics["versions"], 3, timeout=120, read_committed=False)
+        assert len(first) == 3
+        send_config(bs, topics["configs"], spec(model_id, topics, rank=8, min_samples=20, window_seconds=2), T0 + 1)
+        invalid = spec(model_id, topics, rank=-1, min_samples=20, window_seconds=2)
+        send_config(bs, topics["configs"], invalid, T0 + 2)
+        time.sleep(3)  # both configs are read before phase 2 arrives
+        # Phase 2: windows 5-7 with 25 samples each, then a closer in window 9.
+        phase2 = digit_samples(model_id, pairs[48:123], T0 + 8000, 2000 / 25, id_prefix="p2-")
+        closer = digit_samples(model_id, pairs[:1], T0 + 16_500, 1, id_prefix="closer-")
+        send_samples(bs, topics["feedback"], phase2 + closer)
+        versions = wait_for_records(bs, topics["versions"], 6, timeout=120)
+        dlq = wait_for_records(bs, topics["dlq"], 1, timeout=30)
+    finally:
+        cancel_job(stack_config, job)
+    versions.sort(key=lambda v: v["seq"])
+    assert [v["seq"] for v in versions] == [1, 2, 3, 4, 5, 6]
+    old, new = versions[:3], versions[3:]
+    assert all(v["adapter"]["rank"] == 4 and v["config_version"] == 1 and v["metrics"]["samples"] == 12 for v in old)
+    assert all(v["adapter"]["rank"] == 8 and v["config_version"] == 2 for v in new), "invalid config never applied"
+    assert [v["fresh_adapter"] for v in versions] == [True, False, False, True, False, False]
+    # Window 4's 12 samples carry over (12 < 20) and train with window 5's 25.
+    assert [v["metrics"]["samples"] for v in new] == [37, 25, 25]
+    assert new[0]["trigger_policy"]["min_samples_per_window"] == 20
+    assert len(dlq) == 1 and dlq[0]["reason"] == "schema" and dlq[0]["kind"] == "config"
+    assert "adapter_config.rank" in dlq[0]["detail"] and json.loads(dlq[0]["payload"]) == invalid
