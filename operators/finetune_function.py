@@ -25,7 +25,7 @@ from pyflink.datastream.state import ValueStateDescriptor
 
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
-from streamtune.specs import FeedbackSample, FinetuneSpec
+from streamtune.specs import FeedbackSample, FinetuneSpec, RetrainTrigger
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,16 @@ class FinetuneFunction(KeyedProcessFunction):
         metrics = runtime_context.get_metrics_group()
         self.windows_fired = metrics.counter("windows_fired")
         self.unknown_dead_lettered = metrics.counter("unknown_model_dead_lettered")
+        self.triggers_ignored = metrics.counter("triggers_ignored")
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
         kind, model_id, body, topic, partition, offset, ts = value
         if kind == "config":
             yield from self._on_config(body, ctx)
+            return
+        if kind == "trigger":
+            yield from self._on_trigger(body, ctx)
             return
         cfg = self.config.value()
         if cfg is not None:
@@ -128,6 +132,20 @@ class FinetuneFunction(KeyedProcessFunction):
         self._ensure_window_timer(ctx, spec, pending)
         if pending:  # samples that waited for this config: close what their own data has passed
             yield from self._close_windows(ctx, spec, cfg, max(s.ts for s in pending) - self.settings.lateness_ms)
+
+    def _on_trigger(self, body: str, ctx):
+        """Train every pending sample now, below min_samples_per_window if need be."""
+        trigger = RetrainTrigger.model_validate_json(body)
+        cfg, pending = self.config.value(), self.pending.value() or []
+        if cfg is None or not pending:
+            self.triggers_ignored.inc()  # nothing to train: a trigger is not a sample
+            return
+        spec = FinetuneSpec.model_validate_json(cfg["spec"])
+        batch = sorted(pending, key=lambda s: s.order)
+        end = trigger.window_end or window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
+        self.pending.clear()
+        self.timer.clear()
+        yield self._fire(ctx.get_current_key(), spec, cfg, batch, max(end, batch[-1].ts + 1), "forced")
 
     def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
         """The watermark closes the window of each pending sample when the model's data stops."""

@@ -11,7 +11,7 @@ import json
 from pyflink.common import Types
 from pyflink.datastream import OutputTag, ProcessFunction
 
-from streamtune.specs import FeedbackSample, FinetuneSpec, ValidationError, describe_error
+from streamtune.specs import FeedbackSample, FinetuneSpec, RetrainTrigger, ValidationError, describe_error
 
 DLQ_TAG = OutputTag("dead-letters", Types.STRING())
 
@@ -37,7 +37,10 @@ def dead_letter(code: str, detail: str, payload, topic: str, partition: int, off
 
 
 def parse(kind: str, payload, max_bytes: int, served_topic: str):
-    """Validate one record; returns its model_id or raises Invalid."""
+    """Validate one record; returns (kind, model_id) or raises Invalid.
+
+    A config-topic record with a `trigger` field is a retrain trigger, not a spec.
+    """
     if payload is None or payload == "":
         raise Invalid("empty", "record has no value")
     size = len(payload.encode("utf-8", "surrogatepass"))
@@ -49,14 +52,17 @@ def parse(kind: str, payload, max_bytes: int, served_topic: str):
         raise Invalid("bad_json", f"not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise Invalid("schema", f"expected a JSON object, got {type(obj).__name__}")
+    if kind == "config" and "trigger" in obj:
+        kind = "trigger"
+    schema = {"sample": FeedbackSample, "config": FinetuneSpec, "trigger": RetrainTrigger}[kind]
     try:
-        record = FeedbackSample.model_validate(obj) if kind == "sample" else FinetuneSpec.model_validate(obj)
+        record = schema.model_validate(obj)
     except ValidationError as e:
         raise Invalid("schema", describe_error(e)) from None
     if kind == "config" and record.kafka_topic != served_topic:
         raise Invalid("unsupported_source",
                       f"stream_source {record.stream_source} is not served by this job (topic {served_topic})")
-    return record.model_id
+    return kind, record.model_id
 
 
 class ValidateFunction(ProcessFunction):
@@ -76,7 +82,7 @@ class ValidateFunction(ProcessFunction):
         kind = "config" if topic == self.config_topic else "sample"
         self.records_in.inc()
         try:
-            model_id = parse(kind, payload, self.max_record_bytes, self.feedback_topic)
+            kind, model_id = parse(kind, payload, self.max_record_bytes, self.feedback_topic)
         except Invalid as e:
             self.dead_lettered.inc()
             yield DLQ_TAG, dead_letter(e.code, e.detail, payload, topic, partition, offset, ts, kind)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MODEL_ID = r"^[A-Za-z0-9._-]{1,128}$"
 
-__all__ = ["FeedbackSample", "FinetuneSpec", "AdapterConfig", "TriggerPolicy", "TrainingConfig",
+__all__ = ["FeedbackSample", "FinetuneSpec", "RetrainTrigger", "AdapterConfig", "TriggerPolicy", "TrainingConfig",
            "ValidationError", "describe_error"]
 
 
@@ -133,6 +133,19 @@ class FinetuneSpec(_Strict):
     def spec_hash(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class RetrainTrigger(_Strict):
+    """A control record on the config topic: train a model's pending samples now.
+
+    Emitted by SQL (sql/retrain_trigger.sql) or CDC trigger rules; the window it closes
+    fires even below `min_samples_per_window`.
+    """
+
+    model_id: str = Field(pattern=MODEL_ID)
+    trigger: Literal["retrain"]
+    reason: str = Field(min_length=1, max_length=1024)
+    window_end: Optional[int] = None
 
 
 def describe_error(err: ValidationError) -> str:

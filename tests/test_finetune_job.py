@@ -154,7 +154,8 @@ def test_demo_champion_lifts_held_out_exact_match(stack_config):
 
 def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lettered(
         stack_config, base_model, tmp_path, unique):
-    """min_samples 10 → 20 and rank 4 → 8 mid-stream; then an invalid config that must not apply."""
+    """min_samples 10 → 20 and rank 4 → 8 mid-stream; an invalid config that must not apply;
+    then a retrain trigger that trains the one pending sample below the minimum."""
     topics = job_topics(stack_config.kafka_bootstrap, f"test.hot-{unique}")
     model_id = f"hot-{unique}"
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
@@ -176,11 +177,17 @@ def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lette
         phase2 = digit_samples(model_id, pairs[48:123], T0 + 8000, 2000 / 25, id_prefix="p2-")
         closer = digit_samples(model_id, pairs[:1], T0 + 16_500, 1, id_prefix="closer-")
         send_samples(bs, topics["feedback"], phase2 + closer)
-        versions = wait_for_records(bs, topics["versions"], 6, timeout=120)
+        wait_for_records(bs, topics["versions"], 6, timeout=120)
+        # A retrain trigger (e.g. from sql/retrain_trigger.sql) trains the lone closer now.
+        send_config(bs, topics["configs"], {"model_id": model_id, "trigger": "retrain",
+                                            "reason": "correction_rate 0.42 > 0.30"}, T0 + 3)
+        versions = wait_for_records(bs, topics["versions"], 7, timeout=60)
         dlq = wait_for_records(bs, topics["dlq"], 1, timeout=30)
     finally:
         cancel_job(stack_config, job)
     versions.sort(key=lambda v: v["seq"])
+    forced = versions.pop()
+    assert forced["trigger"] == "forced" and forced["lineage"]["sample_ids"] == ["closer-0"]
     assert [v["seq"] for v in versions] == [1, 2, 3, 4, 5, 6]
     old, new = versions[:3], versions[3:]
     assert all(v["adapter"]["rank"] == 4 and v["config_version"] == 1 and v["metrics"]["samples"] == 12 for v in old)
