@@ -8,14 +8,15 @@ Topics (created when missing):
 | option             | default                     | holds                                          |
 |--------------------|-----------------------------|------------------------------------------------|
 | --feedback-topic   | streamtune.feedback         | feedback samples (streamtune/specs.py)         |
-| --config-topic     | streamtune.configs          | fine-tune specs per model (hot updates)        |
+| --config-topic     | streamtune.configs          | fine-tune specs per model (hot updates) and    |
+|                    |                             | retrain triggers {model_id, trigger, reason}   |
 | --versions-topic   | streamtune.versions         | version records, exactly-once (read_committed) |
 | --dlq-topic        | streamtune.dlq              | dead letters: payload, reason, source offset   |
 
 Other options: --base-model (default HF directory when a spec names none), --artifact-dir,
---unknown-model-grace-seconds (30), --max-record-bytes (65536), --lateness-ms (0),
---checkpoint-interval-ms (the cluster's, else 10000), --checkpoint-dir and --restore-from
-(mini-cluster runs), --parallelism.
+--unknown-model-grace-seconds (30, wall clock), --max-record-bytes (65536), --lateness-ms (0),
+--idle-timeout-ms (2000), --checkpoint-interval-ms (the cluster's, else 10000),
+--checkpoint-dir and --restore-from (mini-cluster runs), --parallelism.
 """
 
 from __future__ import annotations
