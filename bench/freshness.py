@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from jobkit import job_args, job_topics, spec  # noqa: E402
 
+from streamtune.demo import quiet_libraries  # noqa: E402
 from streamtune.feedback import producer, send_config  # noqa: E402
 from streamtune.local_job import LocalJob  # noqa: E402
 from streamtune.registrar import Registrar, RegistrarConfig  # noqa: E402
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--per-window", type=int, default=32)
     parser.add_argument("--checkpoint-ms", type=int, default=2000)
     args = parser.parse_args()
+    quiet_libraries()
     config = StackConfig.from_env()
     base = build_tiny_llama(config.data_dir / "models" / "tiny-llama")
     u = f"{time.time_ns() % 10**9:x}"
