@@ -66,9 +66,11 @@ class FinetuneFunction(KeyedProcessFunction):
         self.settings = settings
 
     def open(self, runtime_context):
-        from operators.lora_trainer import threads_from_env
+        from operators.lora_trainer import LoraTrainer, threads_from_env
 
         threads_from_env()
+        if Path(self.settings.default_base_model, "config.json").exists():
+            LoraTrainer.for_base(self.settings.default_base_model)  # load once, before the first window
 
         def state(name):
             return runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY()))
