@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_stack_options(p)
     p.set_defaults(func=cmd_demo)
 
+    from .api.cli import add_parsers as add_api_parsers
+
+    add_api_parsers(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

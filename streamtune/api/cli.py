@@ -1,0 +1,133 @@
+"""Command line of the control plane: `streamtune api` runs the service; the others call it.
+
+    streamtune api --host 127.0.0.1 --port 8000 [--token-file F] [--read-auth]
+    streamtune submit spec.json        POST /v1/stream-finetune
+    streamtune status MODEL            GET  /v1/stream-finetune/MODEL
+    streamtune versions MODEL          GET  /v1/models/MODEL/versions
+    streamtune promote MODEL VERSION   POST /v1/models/MODEL/aliases {alias: champion, version}
+    streamtune stop MODEL              DELETE /v1/stream-finetune/MODEL
+
+The client commands take --url (default $STREAMTUNE_API_URL or http://127.0.0.1:8000) and
+the token from --token-file or $STREAMTUNE_API_TOKEN. They print the JSON answer; an error
+answer prints one line and exits 1; an API that cannot be reached exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _token(args) -> str | None:
+    if getattr(args, "token_file", None):
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get("STREAMTUNE_API_TOKEN") or None
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("STREAMTUNE_API_URL", DEFAULT_URL), help="the API's base URL")
+    p.add_argument("--token-file", default=None, help="file holding the bearer token (else $STREAMTUNE_API_TOKEN)")
+
+
+def call(args, method: str, path: str, body=None) -> int:
+    import requests
+
+    headers = {}
+    token = _token(args)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    url = args.url.rstrip("/") + path
+    try:
+        r = requests.request(method, url, json=body, headers=headers, timeout=600)
+    except requests.RequestException as e:
+        print(f"error: the streamtune API is not reachable at {args.url} ({type(e).__name__}); "
+              "start it with `streamtune api`", file=sys.stderr)
+        return 2
+    try:
+        payload = r.json()
+    except ValueError:
+        payload = {"detail": r.text.strip()[:500]}
+    if r.status_code >= 400:
+        detail = payload.get("detail") if isinstance(payload, dict) else payload
+        if isinstance(detail, list):  # FastAPI's 422: one line per field
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
+        print(f"error: {method} {path} -> {r.status_code}: {detail}", file=sys.stderr)
+        return 2 if r.status_code == 503 else 1
+    print(json.dumps(payload, indent=2))
+    return 0
+
+
+def cmd_api(args) -> int:
+    import uvicorn
+
+    from .app import ApiSettings, create_app
+
+    settings = ApiSettings.from_env(token_file=args.token_file, **({"read_auth": True} if args.read_auth else {}))
+    if not settings.token:
+        print("error: no API token: set STREAMTUNE_API_TOKEN or pass --token-file", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_submit(args) -> int:
+    try:
+        spec = json.loads(Path(args.spec).read_text())
+    except (OSError, ValueError) as e:
+        print(f"error: cannot read spec {args.spec}: {e}", file=sys.stderr)
+        return 1
+    return call(args, "POST", "/v1/stream-finetune", spec)
+
+
+def add_parsers(subparsers) -> None:
+    """Add api, submit, status, versions, promote and stop to a `streamtune` subparsers object."""
+    p = subparsers.add_parser("api", help="run the REST control plane (FastAPI, uvicorn)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token-file", default=None, help="file holding the bearer token (else $STREAMTUNE_API_TOKEN)")
+    p.add_argument("--read-auth", action="store_true", help="require the token on read endpoints too")
+    p.set_defaults(func=cmd_api)
+
+    p = subparsers.add_parser("submit", help="POST a fine-tune spec (JSON file) to the API")
+    p.add_argument("spec")
+    _client_options(p)
+    p.set_defaults(func=cmd_submit)
+
+    p = subparsers.add_parser("status", help="job state, config version, last version and counters of a model")
+    p.add_argument("model")
+    _client_options(p)
+    p.set_defaults(func=lambda a: call(a, "GET", f"/v1/stream-finetune/{a.model}"))
+
+    p = subparsers.add_parser("versions", help="a model's versions in MLflow")
+    p.add_argument("model")
+    _client_options(p)
+    p.set_defaults(func=lambda a: call(a, "GET", f"/v1/models/{a.model}/versions"))
+
+    p = subparsers.add_parser("promote", help="move a model's alias (default champion) to VERSION")
+    p.add_argument("model")
+    p.add_argument("version", type=int)
+    p.add_argument("--alias", default="champion")
+    _client_options(p)
+    p.set_defaults(func=lambda a: call(a, "POST", f"/v1/models/{a.model}/aliases",
+                                       {"alias": a.alias, "version": a.version}))
+
+    p = subparsers.add_parser("stop", help="stop training a model (the job stops with a savepoint when it was the last)")
+    p.add_argument("model")
+    _client_options(p)
+    p.set_defaults(func=lambda a: call(a, "DELETE", f"/v1/stream-finetune/{a.model}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamtune")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
