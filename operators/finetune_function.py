@@ -81,6 +81,7 @@ class FinetuneFunction(KeyedProcessFunction):
         self.grace = state("grace_timer")  # processing time the unknown-model grace ends, or None
         self.adapter = state("adapter")    # LoraTrainer state dict
         self.seq = state("seq")            # versions emitted so far
+        self.last_trigger = state("last_trigger")  # window_end of the last retrain trigger applied
         metrics = runtime_context.get_metrics_group()
         self.windows_fired = metrics.counter("windows_fired")
         self.unknown_dead_lettered = metrics.counter("unknown_model_dead_lettered")
@@ -139,6 +140,12 @@ class FinetuneFunction(KeyedProcessFunction):
         """Train every pending sample now, below min_samples_per_window if need be."""
         trigger = RetrainTrigger.model_validate_json(body)
         cfg, pending = self.config.value(), self.pending.value() or []
+        last = self.last_trigger.value()
+        if trigger.window_end is not None and last is not None and trigger.window_end <= last:
+            self.triggers_ignored.inc()  # a redelivered trigger (they are sent at least once)
+            return
+        if trigger.window_end is not None:
+            self.last_trigger.update(trigger.window_end)
         if cfg is None or not pending:
             self.triggers_ignored.inc()  # nothing to train: a trigger is not a sample
             return

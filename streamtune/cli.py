@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
 
     from .api.cli import add_parsers as add_api_parsers
+    from .sql_client import add_parser as add_sql_parser
 
     add_api_parsers(sub)
+    add_sql_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -142,6 +142,9 @@ class RetrainTrigger(_Strict):
     fires even below `min_samples_per_window`.
     """
 
+    # Evidence fields (rates, counts, thresholds) may ride along; the job ignores them.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
     model_id: str = Field(pattern=MODEL_ID)
     trigger: Literal["retrain"]
     reason: str = Field(min_length=1, max_length=1024)

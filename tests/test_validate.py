@@ -56,3 +56,10 @@ def test_dead_letter_keeps_payload_reason_and_offset():
     record = json.loads(dead_letter("bad_json", "not JSON", "{nope", "fb", 2, 41, 7, "sample"))
     assert record["payload"] == "{nope" and record["reason"] == "bad_json"
     assert record["source"] == {"topic": "fb", "partition": 2, "offset": 41, "timestamp": 7}
+
+
+def test_sql_trigger_record_with_evidence_fields_is_accepted():
+    trigger = {"model_id": "m-1", "trigger": "retrain", "reason": "correction_rate 0.40 > 0.30",
+               "window_start": 1, "window_end": 2, "correction_rate": 0.4, "corrected": 4, "labelled": 10,
+               "threshold": 0.3}
+    assert parse("config", json.dumps(trigger), 65536, "t") == ("trigger", "m-1")

@@ -7,9 +7,9 @@
 | confidence(logprob, tokens)         | DOUBLE  | udfs/confidence.py    |
 | pseudo_label(score, accept_at, reject_below) | STRING | udfs/pseudo_label.py |
 
-From Python: ``udfs.register_all(t_env)``. From a SQL client (sql-client.sh with
-``-pyfs`` naming this package, or any TableEnvironment where ``udfs`` is importable), the
-statements ``udfs.create_statements()`` returns, also in sql/functions.sql:
+From Python: ``udfs.register_all(t_env)``. From a SQL client (sql-client.sh, where ``udfs``
+is installed or shipped as ``-pyfs udfs.zip``; see sql/README.md), the statements
+``udfs.create_statements()`` returns, also in sql/functions.sql:
 
     CREATE TEMPORARY SYSTEM FUNCTION IF NOT EXISTS token_count
         AS 'udfs.token_count.token_count' LANGUAGE PYTHON;
@@ -33,9 +33,17 @@ def load(qualified: str):
 
 
 def register_all(t_env) -> list[str]:
-    """Register every UDF as a temporary function of `t_env`; returns their names."""
+    """Register every UDF in `t_env`; returns their names. Idempotent.
+
+    Temporary *system* functions (``create_temporary_system_function``): they resolve in any
+    catalog and database, like sql/functions.sql's CREATE TEMPORARY SYSTEM FUNCTION.
+    """
     for name, qualified in FUNCTIONS.items():
-        t_env.create_temporary_function(name, load(qualified))
+        try:
+            t_env.create_temporary_system_function(name, load(qualified))
+        except Exception as e:  # registered before, e.g. by sql/functions.sql
+            if "already exist" not in str(e):
+                raise
     return list(FUNCTIONS)
 
 

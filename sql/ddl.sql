@@ -1,0 +1,117 @@
+-- streamtune's topics as Flink SQL tables (Kafka connector), each with an event-time watermark.
+-- Run first (`streamtune sql` does it for every file next to it; sql-client.sh: -i sql/ddl.sql).
+-- Tables: feedback, dlq, versions (the job's version records), adapter_versions (the
+-- registrar's broadcast). Time zone UTC: window_start/window_end read as UTC.
+--
+-- Variables (${name}; `streamtune sql` substitutes them, -D name=value overrides):
+--   bootstrap: no default here; `streamtune sql` uses $STREAMTUNE_KAFKA_BOOTSTRAP or the stack's Kafka
+-- var feedback_topic = streamtune.feedback
+-- var dlq_topic = streamtune.dlq
+-- var versions_topic = streamtune.versions
+-- var adapter_versions_topic = streamtune.adapter-versions
+-- var startup_mode = earliest-offset       earliest-offset | latest-offset | timestamp ...
+-- var lateness_seconds = 5                 how far out of order records may arrive
+-- var idle_timeout_seconds = 10            a partition quiet this long stops holding the watermark
+
+SET 'table.local-time-zone' = 'UTC';
+
+-- Feedback samples (streamtune/specs.py). Values that are not JSON are skipped
+-- (json.ignore-parse-errors: the job's DLQ counts them); a field of the wrong type reads as NULL.
+-- Event time: the Kafka record timestamp, which producers set to the sample's ts, as the job uses it.
+CREATE TEMPORARY TABLE feedback (
+  model_id STRING,
+  sample_id STRING,
+  prompt STRING,
+  completion STRING,
+  label STRING,                 -- accepted | corrected | rejected | NULL
+  weight DOUBLE,                -- NULL means the default, 1
+  ts BIGINT,                    -- epoch ms, as written by the producer
+  `topic` STRING METADATA VIRTUAL,
+  `partition` INT METADATA VIRTUAL,
+  `offset` BIGINT METADATA VIRTUAL,
+  event_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  WATERMARK FOR event_time AS event_time - INTERVAL '${lateness_seconds}' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic' = '${feedback_topic}',
+  'properties.bootstrap.servers' = '${bootstrap}',
+  'scan.startup.mode' = '${startup_mode}',
+  'scan.watermark.idle-timeout' = '${idle_timeout_seconds} s',
+  'format' = 'json',
+  'json.ignore-parse-errors' = 'true'
+);
+
+-- Dead letters (operators/validate.py: dead_letter). Event time: when the rejected record was
+-- produced (source.timestamp), else this record's Kafka timestamp.
+CREATE TEMPORARY TABLE dlq (
+  reason STRING,                -- empty | oversized | bad_json | schema | unsupported_source | unknown_model
+  detail STRING,
+  kind STRING,                  -- sample | config
+  model_id STRING,              -- NULL unless known (unknown_model)
+  payload STRING,               -- the original record value
+  source ROW<`topic` STRING, `partition` INT, `offset` BIGINT, `timestamp` BIGINT>,
+  kafka_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  event_time AS COALESCE(TO_TIMESTAMP_LTZ(source.`timestamp`, 3), kafka_time),
+  WATERMARK FOR event_time AS event_time - INTERVAL '${lateness_seconds}' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic' = '${dlq_topic}',
+  'properties.bootstrap.servers' = '${bootstrap}',
+  'properties.isolation.level' = 'read_committed',
+  'scan.startup.mode' = '${startup_mode}',
+  'scan.watermark.idle-timeout' = '${idle_timeout_seconds} s',
+  'format' = 'json',
+  'json.ignore-parse-errors' = 'true'
+);
+
+-- Version records of the fine-tuning job (operators/finetune_function.py, streamtune/registrar.py),
+-- written exactly-once. Event time: the end of the data window the version was trained on.
+CREATE TEMPORARY TABLE versions (
+  version_id STRING,
+  model_id STRING,
+  seq BIGINT,
+  window_start BIGINT,          -- epoch ms
+  window_end BIGINT,            -- epoch ms
+  sha256 STRING,
+  artifact_dir STRING,
+  base_model STRING,
+  config_version INT,
+  fresh_adapter BOOLEAN,
+  `trigger` STRING,             -- window | max_samples | forced
+  metrics ROW<loss_before DOUBLE, loss_after DOUBLE, samples INT, tokens INT, step_seconds DOUBLE>,
+  kafka_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  data_end AS COALESCE(TO_TIMESTAMP_LTZ(window_end, 3), kafka_time),
+  WATERMARK FOR data_end AS data_end - INTERVAL '${lateness_seconds}' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic' = '${versions_topic}',
+  'properties.bootstrap.servers' = '${bootstrap}',
+  'properties.isolation.level' = 'read_committed',
+  'scan.startup.mode' = '${startup_mode}',
+  'scan.watermark.idle-timeout' = '${idle_timeout_seconds} s',
+  'format' = 'json',
+  'json.ignore-parse-errors' = 'true'
+);
+
+-- The registrar's broadcast: one record per adapter version registered in MLflow, when
+-- inference can load it. Event time: the Kafka record timestamp, i.e. when it was published.
+CREATE TEMPORARY TABLE adapter_versions (
+  version_id STRING,
+  model_id STRING,
+  seq BIGINT,
+  mlflow_version BIGINT,
+  model_uri STRING,             -- models:/<model_id>/<mlflow_version>
+  sha256 STRING,
+  artifact_uri STRING,
+  aliases ARRAY<STRING>,
+  published_at TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  WATERMARK FOR published_at AS published_at - INTERVAL '${lateness_seconds}' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic' = '${adapter_versions_topic}',
+  'properties.bootstrap.servers' = '${bootstrap}',
+  'scan.startup.mode' = '${startup_mode}',
+  'scan.watermark.idle-timeout' = '${idle_timeout_seconds} s',
+  'format' = 'json',
+  'json.ignore-parse-errors' = 'true'
+);

@@ -1,0 +1,548 @@
+"""Every shipped .sql file against the local stack's Kafka, on an embedded mini-cluster.
+
+One module-wide TableEnvironment (a local mini-cluster per query) reads topics named for this
+module run. The data are produced with kafka-python, record timestamps = event times, in
+event-time order; a final "closer" record far later in event time moves the watermark past
+every window of the data (its own windows never close, so it never shows in results). Each
+query's rows are compared with values computed here in plain Python from the produced data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from streamtune.sql_client import add_parser, new_table_env, run_file, run_statements
+
+pytestmark = pytest.mark.sql
+
+REPO = Path(__file__).resolve().parents[1]
+SQL = REPO / "sql"
+MIN = 60_000
+HOUR = 60 * MIN
+BASE = 1_767_225_600_000            # 2026-01-01T00:00:00Z
+FAR = BASE + 10 * 24 * HOUR + 30_000  # the closers: past every window of the data
+TRIG_START = BASE + 5 * MIN         # model `trig`: window w is [TRIG_START + 5 min * w, + 5 min)
+TIMEOUT = 120                       # seconds a query may take to return its rows
+IDLE = 3.0                          # a query is done once no row came for this long (all rows
+                                    # come in one burst when the closer's watermark arrives)
+THRESHOLD, MIN_LABELLED, TRIGGER_MINUTES = 0.3, 4, 5
+LABELS = ("accepted", "corrected", "rejected")
+WORDS = ["x=1234;y=", "2345", "hello", "world", "stream", "tune", "lora", "adapter", "token", "9", "a+b", "éß"]
+
+
+def utc(ms: int) -> datetime:
+    """How a TIMESTAMP(3) column (UTC session time zone) comes back from PyFlink."""
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).replace(tzinfo=None)
+
+
+def floor(ms: int, size: int) -> int:
+    return ms - ms % size
+
+
+# ----------------------------------------------------------------------------------- data
+
+def trigger_plan() -> list[tuple[int, int, int]]:
+    """Model `trig`, 5-minute windows: (corrected, labelled, unlabelled) per window.
+
+    threshold 0.30, min_labelled 4; windows that must fire: 3 (0.4 after 0.3 = threshold),
+    6 (0.6 after 0.2) and 8 (0.5 after an empty window 7). Window 4 (0.5) follows an above-
+    threshold window; window 9 is all corrected but has only 3 labels.
+    """
+    return [(1, 10, 2), (2, 10, 1), (3, 10, 2), (4, 10, 0), (5, 10, 2), (2, 10, 1), (6, 10, 2), (0, 0, 0),
+            (5, 10, 1), (3, 3, 1), (0, 10, 2)]
+
+
+TRIG_FIRES = [3, 6, 8]
+
+
+def make_feedback(rng: random.Random) -> list[tuple[int, bytes]]:
+    """(event time ms, value bytes) of the feedback topic, sorted by event time."""
+    records = []
+
+    def sample(model, ts, label, weight=None, completion=None):
+        s = {"model_id": model, "sample_id": f"{model}-{len(records)}", "prompt": "x=1234;y=",
+             "completion": completion or " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14))),
+             "ts": ts}
+        if label is not None:
+            s["label"] = label
+        if weight is not None:
+            s["weight"] = weight
+        records.append((ts, json.dumps(s).encode()))
+
+    start = BASE + 3 * MIN
+    for model in ("m-a", "m-b"):
+        for _ in range(110):
+            ts = start + rng.randrange(0, 70 * MIN)  # crosses an hour: two CUMULATE hours
+            label = rng.choices([*LABELS, None], weights=[45, 25, 10, 20])[0]
+            sample(model, ts, label, rng.choice([None, 0.5, 1.0, 2.0, 3.5]))
+    for w, (corrected, labelled, unlabelled) in enumerate(trigger_plan()):
+        labels = ["corrected"] * corrected + ["rejected"] * min(1, labelled - corrected)
+        labels += ["accepted"] * (labelled - len(labels)) + [None] * unlabelled
+        for label in labels:
+            sample("trig", TRIG_START + w * TRIGGER_MINUTES * MIN + rng.randrange(0, TRIGGER_MINUTES * MIN), label)
+    # not JSON: skipped by the table; JSON without a model: filtered by every query
+    records.append((start + 7 * MIN, b"{not json"))
+    records.append((start + 8 * MIN, json.dumps({"sample_id": "orphan", "prompt": "p", "completion": "c",
+                                                 "ts": start + 8 * MIN}).encode()))
+    records.sort(key=lambda r: r[0])
+    records.append((FAR, json.dumps({"model_id": "zz-closer", "sample_id": "closer", "prompt": "",
+                                     "completion": "closer", "ts": FAR}).encode()))
+    return records
+
+
+def make_dlq(rng: random.Random, feedback_topic: str) -> list[tuple[int, bytes]]:
+    """Dead letters exactly as the job writes them (operators.validate.dead_letter)."""
+    from operators.validate import dead_letter
+
+    records = []
+    for i in range(70):
+        ts = BASE + 2 * MIN + rng.randrange(0, 30 * MIN)
+        kind, model_id = "sample", None
+        reason = rng.choice(["bad_json", "schema", "schema", "unknown_model", "empty", "unsupported_source"])
+        model = rng.choice(["m-a", "m-b", "m-c"])
+        if reason == "bad_json":
+            payload = '{"model_id": "' + model + '", oops'
+        elif reason == "schema":
+            payload = json.dumps({"model_id": model, "sample_id": "s"} if rng.random() < 0.7 else {"prompt": "p"})
+        elif reason == "unknown_model":
+            payload, model_id = json.dumps({"model_id": model, "sample_id": "s", "prompt": "p", "completion": "c",
+                                            "ts": ts}), model
+        elif reason == "empty":
+            payload = None
+        else:
+            kind, payload = "config", json.dumps({"model_id": model, "stream_source": "kafka://topic=other"})
+        value = dead_letter(reason, "detail", payload, feedback_topic, 0, i, ts, kind, model_id)
+        records.append((ts, value.encode()))
+    records.sort(key=lambda r: r[0])
+    records.append((FAR, dead_letter("empty", "closer", None, feedback_topic, 0, 999, FAR, "sample").encode()))
+    return records
+
+
+def version_record(model_id: str, seq: int, window_end: int, version_id: str) -> dict:
+    """The job's version record (operators/finetune_function.py `_fire`)."""
+    return {"version_id": version_id, "model_id": model_id, "seq": seq,
+            "window_start": window_end - 2 * MIN, "window_end": window_end,
+            "artifact_dir": f"/adapters/{model_id}/{version_id}", "sha256": "ab" * 32, "base_model": "/models/tiny",
+            "config_version": 1, "fresh_adapter": seq == 1,
+            "adapter": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
+            "trigger_policy": {"min_samples_per_window": 8, "window_seconds": 120, "max_samples_per_step": 1024},
+            "metrics": {"loss_before": 2.5, "loss_after": 2.1, "samples": 8, "tokens": 96, "step_seconds": 0.05},
+            "lineage": {"sample_ids": ["s1"], "offsets": [{"topic": "t", "partition": 0, "first": 0, "last": 7}]},
+            "trigger": "window"}
+
+
+def make_versions(rng: random.Random):
+    """Version records (event time = window_end) and registrar broadcasts (event time = publish time)."""
+    versions, broadcasts = [], []
+    for model in ("m-a", "m-b", "m-c"):
+        for seq in range(1, 7):
+            window_end = BASE + seq * 9 * MIN + rng.randrange(0, 3) * MIN
+            vid = f"{model}-v{seq}-{uuid.uuid4().hex[:6]}"
+            versions.append((window_end, version_record(model, seq, window_end, vid)))
+            published = window_end + rng.randrange(500, 20 * MIN)
+            if (model, seq) == ("m-a", 2):
+                continue                               # never broadcast: not reported
+            if (model, seq) == ("m-b", 3):
+                published = window_end + HOUR + 1      # over the interval bound: not reported
+            if (model, seq) == ("m-c", 5):
+                published = window_end + HOUR          # exactly at the bound: reported
+            msg = {"version_id": vid, "model_id": model, "seq": seq, "mlflow_version": seq,
+                   "model_uri": f"models:/{model}/{seq}", "sha256": "ab" * 32,
+                   "artifact_uri": f"mlflow-artifacts:/{model}/{seq}", "aliases": ["latest"]}
+            broadcasts.append((published, msg))
+            if (model, seq) == ("m-a", 4):              # the registrar re-broadcast it (at-least-once)
+                broadcasts.append((published + 30_000, msg))
+            if (model, seq) == ("m-b", 5):              # the version record came twice (replay)
+                versions.append((window_end, versions[-1][1]))
+    broadcasts.append((BASE + 20 * MIN, {"version_id": "unknown", "model_id": "m-a", "seq": 99, "mlflow_version": 99,
+                                          "model_uri": "models:/m-a/99", "sha256": "00", "artifact_uri": "x",
+                                          "aliases": []}))
+    versions.sort(key=lambda r: r[0])
+    broadcasts.sort(key=lambda r: r[0])
+    versions.append((FAR, version_record("zz-closer", 1, FAR, "closer-version")))
+    broadcasts.append((FAR, {"version_id": "closer-broadcast", "model_id": "zz-closer", "seq": 1, "mlflow_version": 1,
+                             "model_uri": "models:/zz-closer/1", "sha256": "00", "artifact_uri": "x", "aliases": []}))
+    return versions, broadcasts
+
+
+def produce(bootstrap: str, topic: str, records) -> None:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5)
+    for ts, value in records:
+        if isinstance(value, dict):
+            value = json.dumps(value).encode()
+        producer.send(topic, value=value, key=None, partition=0, timestamp_ms=ts)
+    producer.flush()
+    producer.close()
+
+
+def feedback_rows(records) -> list[dict]:
+    """What the feedback table yields to the queries: JSON values with a model_id, minus the closer."""
+    rows = []
+    for ts, value in records:
+        try:
+            s = json.loads(value)
+        except ValueError:
+            continue
+        if s.get("model_id") and s["model_id"] != "zz-closer":
+            rows.append({**s, "event_time": ts})
+    return rows
+
+
+# ------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def sql_env(stack_config, base_model, tmp_path_factory):
+    from connectors.kafka import create_topic
+    from udfs import tokenizers
+
+    bootstrap = stack_config.kafka_bootstrap
+    prefix = f"test.sql-{uuid.uuid4().hex[:8]}"
+    topics = {k: f"{prefix}.{k}" for k in ("feedback", "dlq", "versions", "adapter-versions", "configs")}
+    for topic in topics.values():
+        create_topic(bootstrap, topic)
+    rng = random.Random(6)
+    feedback = make_feedback(rng)
+    dlq = make_dlq(rng, topics["feedback"])
+    versions, broadcasts = make_versions(rng)
+    produce(bootstrap, topics["feedback"], feedback)
+    produce(bootstrap, topics["dlq"], dlq)
+    produce(bootstrap, topics["versions"], versions)
+    produce(bootstrap, topics["adapter-versions"], broadcasts)
+
+    with pytest.MonkeyPatch.context() as mp:
+        # Python UDFs of a local job run in this process: they see this registry
+        mp.setenv(tokenizers.ENV_VAR, str(tmp_path_factory.mktemp("tokenizers")))
+        tokenizers.register(topics["feedback"], base_model)  # the per-topic tokenizer
+        variables = {"bootstrap": bootstrap, "feedback_topic": topics["feedback"], "dlq_topic": topics["dlq"],
+                     "versions_topic": topics["versions"], "adapter_versions_topic": topics["adapter-versions"],
+                     "config_topic": topics["configs"], "lateness_seconds": "0", "tokenizer": topics["feedback"],
+                     "threshold": str(THRESHOLD), "min_labelled": str(MIN_LABELLED),
+                     "window_minutes": str(TRIGGER_MINUTES)}
+        t_env = new_table_env()
+        run_file(SQL / "ddl.sql", variables, t_env)
+        yield SimpleNamespace(t_env=t_env, variables=variables, topics=topics, bootstrap=bootstrap,
+                              base_model=base_model, feedback=feedback_rows(feedback), dlq=dlq,
+                              versions=versions, broadcasts=broadcasts)
+
+
+def query(env, name: str, **extra) -> list[dict]:
+    """All rows of a shipped query: it runs until no row came for IDLE seconds (extra rows show)."""
+    results = run_file(SQL / name, {**env.variables, **extra}, env.t_env, idle=IDLE, timeout=TIMEOUT)
+    select = [r for r in results if r.kind == "query"]
+    assert len(select) == 1, [r.kind for r in results]
+    return [dict(zip(select[0].columns, row)) for row in select[0].rows]
+
+
+def approx(x, digits=9):
+    return None if x is None else round(float(x), digits)
+
+
+# ---------------------------------------------------------------------------------- tests
+
+def test_ddl_declares_the_tables_with_watermarks(sql_env):
+    tables = set(sql_env.t_env.list_temporary_tables())
+    assert {"feedback", "dlq", "versions", "adapter_versions"} <= tables
+    for table, column in (("feedback", "event_time"), ("dlq", "event_time"), ("versions", "data_end"),
+                          ("adapter_versions", "published_at")):
+        [described] = [r for r in run_statements(f"DESCRIBE {table}", sql_env.variables, sql_env.t_env)]
+        by_name = {row[0]: row for row in described.rows}
+        assert "ROWTIME" in str(by_name[column][1]), by_name[column]
+        assert by_name[column][5], f"{table}.{column} has no watermark"
+
+
+def expected_samples(env) -> Counter:
+    groups = defaultdict(list)
+    for s in env.feedback:
+        groups[(floor(s["event_time"], MIN), s["model_id"])].append(s)
+    out = Counter()
+    for (start, model), ss in groups.items():
+        weight = sum(0.0 if s.get("label") == "rejected" else s.get("weight", 1.0) for s in ss)
+        out[(utc(start), utc(start + MIN), model, len(ss), sum(s.get("label") in LABELS for s in ss),
+             approx(weight))] += 1
+    return out
+
+
+def test_samples_per_model_through_the_command_line(sql_env, capsys):
+    """`streamtune sql -f sql/samples_per_model.sql -D ... --idle S` (ddl.sql runs first)."""
+    expected = expected_samples(sql_env)
+    parser = argparse.ArgumentParser(prog="streamtune")
+    add_parser(parser.add_subparsers(dest="command"))
+    defines = [arg for k, v in sql_env.variables.items() for arg in ("-D", f"{k}={v}")]
+    args = parser.parse_args(["sql", "-f", str(SQL / "samples_per_model.sql"), *defines,
+                              "--idle", str(IDLE), "--timeout", str(TIMEOUT)])
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split("\t") == ["window_start", "window_end", "model_id", "samples", "labelled", "weight_sum"]
+    got = Counter()
+    for line in lines[1:]:
+        start, end, model, samples, labelled, weight = line.split("\t")
+        got[(datetime.fromisoformat(start), datetime.fromisoformat(end), model, int(samples), int(labelled),
+             approx(weight))] += 1
+    assert got == expected
+
+
+def test_label_rates(sql_env):
+    groups = defaultdict(list)
+    for s in sql_env.feedback:
+        first = floor(s["event_time"], MIN)
+        for start in range(first - 4 * MIN, first + 1, MIN):  # the 5 hop windows holding it
+            groups[(start, s["model_id"])].append(s.get("label"))
+    expected = Counter()
+    for (start, model), labels in groups.items():
+        n = Counter(labels)
+        labelled = n["accepted"] + n["corrected"] + n["rejected"]
+        rate = (lambda k: n[k] / labelled if labelled else None)
+        expected[(utc(start), utc(start + 5 * MIN), model, len(labels), labelled, n["accepted"], n["corrected"],
+                  n["rejected"], approx(rate("accepted")), approx(rate("corrected")), approx(rate("rejected")))] += 1
+    rows = query(sql_env, "label_rates.sql")
+    got = Counter((r["window_start"], r["window_end"], r["model_id"], r["samples"], r["labelled"], r["accepted"],
+                   r["corrected"], r["rejected"], approx(r["acceptance_rate"]), approx(r["correction_rate"]),
+                   approx(r["rejection_rate"])) for r in rows)
+    assert got == expected
+
+
+def test_token_lengths_use_the_registered_tokenizer(sql_env):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(sql_env.base_model), local_files_only=True)
+    width = 8
+    groups = defaultdict(list)
+    for s in sql_env.feedback:
+        n = len(tok(s["completion"], add_special_tokens=False)["input_ids"])
+        hour = floor(s["event_time"], HOUR)
+        for step in range(1, 7):  # cumulative windows [hour, hour + 10 min * step)
+            if s["event_time"] < hour + step * 10 * MIN:
+                groups[(hour, hour + step * 10 * MIN, s["model_id"], n - n % width)].append(n)
+    expected = Counter({(utc(h), utc(e), m, lo, lo + width - 1, len(ns), sum(ns)): 1
+                        for (h, e, m, lo), ns in groups.items()})
+    assert len({lo for (_, _, _, lo) in groups}) >= 2, "the data should spread over several buckets"
+    rows = query(sql_env, "token_lengths.sql", bucket_width=str(width))
+    got = Counter((r["window_start"], r["window_end"], r["model_id"], r["bucket_lo"], r["bucket_hi"],
+                   r["samples"], r["tokens"]) for r in rows)
+    assert got == expected
+
+
+def dlq_model(record: dict):
+    """The model of a dead letter: its model_id, else the payload's (plain json, not the UDF)."""
+    if record["model_id"] is not None:
+        return record["model_id"]
+    try:
+        payload = json.loads(record["payload"])
+    except (TypeError, ValueError):
+        return None
+    return payload.get("model_id") if isinstance(payload, dict) else None
+
+
+def test_dlq_rate_by_reason(sql_env):
+    groups = Counter()
+    for ts, value in sql_env.dlq[:-1]:
+        record = json.loads(value)
+        first = floor(record["source"]["timestamp"], MIN)
+        for start in range(first - 4 * MIN, first + 1, MIN):
+            groups[(start, record["reason"], dlq_model(record))] += 1
+    expected = Counter({(utc(s), utc(s + 5 * MIN), reason, model, n, approx(n / 5)): 1
+                        for (s, reason, model), n in groups.items()})
+    assert any(model is None for (_, _, model) in groups) and any(model for (_, _, model) in groups)
+    rows = query(sql_env, "dlq_rate.sql")
+    got = Counter((r["window_start"], r["window_end"], r["reason"], r["model_id"], r["dead_letters"],
+                   approx(r["per_minute"])) for r in rows)
+    assert got == expected
+
+
+def test_freshness_per_adapter_version(sql_env):
+    versions = {}
+    for _, v in sql_env.versions[:-1]:
+        versions[v["version_id"]] = v
+    published = defaultdict(list)
+    for ts, b in sql_env.broadcasts[:-1]:
+        v = versions.get(b["version_id"])
+        if v is not None and v["window_end"] <= ts <= v["window_end"] + HOUR:
+            published[b["version_id"]].append(ts)
+    expected = Counter()
+    for vid, times in published.items():
+        v, first = versions[vid], min(times)
+        hour = floor(first, HOUR)
+        expected[(utc(hour), utc(hour + HOUR), v["model_id"], vid, v["seq"], v["seq"], utc(v["window_end"]),
+                  utc(first), first - v["window_end"], len(set(times)))] += 1
+    assert len(expected) == 18 - 2  # one never broadcast, one broadcast too late
+    assert any(key[-1] == 2 for key in expected)
+    rows = query(sql_env, "freshness.sql")
+    got = Counter((r["window_start"], r["window_end"], r["model_id"], r["version_id"], r["seq"], r["mlflow_version"],
+                   r["data_window_end"], r["published_at"], r["freshness_ms"], r["broadcasts"]) for r in rows)
+    assert got == expected
+
+
+def expected_triggers(env) -> list[dict]:
+    """One trigger per crossing: rate > threshold, the window before it not above (or absent)."""
+    size = TRIGGER_MINUTES * MIN
+    windows = defaultdict(lambda: [0, 0])
+    for s in env.feedback:
+        w = windows[(s["model_id"], floor(s["event_time"], size))]
+        w[0] += s.get("label") == "corrected"
+        w[1] += s.get("label") in LABELS
+    triggers, previous = [], {}
+    for (model, start), (corrected, labelled) in sorted(windows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if labelled < MIN_LABELLED:
+            continue
+        rate = corrected / labelled
+        prev = previous.get(model)
+        previous[model] = (start, rate)
+        if rate > THRESHOLD and not (prev and prev[0] + size == start and prev[1] > THRESHOLD):
+            shown = Decimal(repr(rate)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
+            triggers.append({"model_id": model, "trigger": "retrain",
+                             "reason": f"correction_rate {shown} > {THRESHOLD} ({corrected} of {labelled} labelled)",
+                             "window_start": start, "window_end": start + size, "correction_rate": rate,
+                             "corrected": corrected, "labelled": labelled, "threshold": THRESHOLD})
+    return triggers
+
+
+def test_retrain_trigger_fires_exactly_when_the_threshold_is_crossed(sql_env):
+    from connectors.kafka import read_topic
+
+    expected = expected_triggers(sql_env)
+    trig = [t for t in expected if t["model_id"] == "trig"]
+    # the designed model: fires at windows 3, 6, 8 only (not at 2 where rate == threshold,
+    # not at 4 which stays above, not at 9 with too few labels)
+    assert [(t["window_start"] - TRIG_START) // (TRIGGER_MINUTES * MIN) for t in trig] == TRIG_FIRES
+    assert trig[0]["reason"] == "correction_rate 0.40 > 0.3 (4 of 10 labelled)"
+
+    results = run_file(SQL / "retrain_trigger.sql", sql_env.variables, sql_env.t_env)
+    job = results[-1].table_result.get_job_client()
+    assert results[-1].kind == "insert" and job is not None
+    try:
+        records = read_topic(sql_env.bootstrap, sql_env.topics["configs"], expect=len(expected), timeout=TIMEOUT)
+        # nothing more comes: the closer closed every window, and the job is idle now
+        records = read_topic(sql_env.bootstrap, sql_env.topics["configs"], idle=3.0, timeout=30)
+    finally:
+        job.cancel().result()
+    got = [json.loads(r.value) for r in records]
+    assert [r.key.decode() for r in records] == [t["model_id"] for t in got]
+    order = lambda t: (t["window_end"], t["model_id"])
+    assert sorted(got, key=order) == sorted(expected, key=order)
+    for model in {t["model_id"] for t in got}:  # each model's triggers in window order
+        ends = [t["window_end"] for t in got if t["model_id"] == model]
+        assert ends == sorted(ends)
+
+
+def test_functions_sql_registers_the_udfs_as_sql_client_would(sql_env):
+    """sql/functions.sql in a TableEnvironment without register_all; each UDF checked in SQL."""
+    from transformers import AutoTokenizer
+
+    from udfs.json_path import extract
+    from udfs.pseudo_label import label_for
+
+    t_env = new_table_env(udfs=False)
+    with pytest.raises(Exception, match="json_path"):
+        t_env.execute_sql("SELECT json_path('{}', '$.a')").collect().close()
+    run_file(SQL / "functions.sql", sql_env.variables, t_env, udfs=False)
+    cases = [('{"a": {"b": [1, "two"]}}', "$.a.b[1]", "x=1234;y= 2345", -1.2, 3, 0.9),
+             ("not json", "$.a", "hello world", -0.1, 1, 0.6),
+             ('{"a": 1}', "$.missing", "", -5.0, 2, 0.2)]
+    values = ", ".join(f"('{d}', '{p}', '{t}', CAST({lp} AS DOUBLE), {n}, CAST({s} AS DOUBLE))"
+                       for d, p, t, lp, n, s in cases)
+    tokenizer = sql_env.topics["feedback"]
+    [result] = run_statements(
+        f"SELECT json_path(d, p) AS j, token_count(t, '{tokenizer}') AS n_model, token_count(t, 'whitespace') AS n_ws, "
+        f"confidence(lp, n) AS c, pseudo_label(s, 0.8, 0.5) AS l, pseudo_label(confidence(lp, n), 0.8, 0.5) AS l2 "
+        f"FROM (VALUES {values}) AS v(d, p, t, lp, n, s)", sql_env.variables, t_env, udfs=False,
+        max_rows=len(cases), timeout=TIMEOUT)
+    tok = AutoTokenizer.from_pretrained(str(sql_env.base_model), local_files_only=True)
+    expected = [(extract(d, p), len(tok(t, add_special_tokens=False)["input_ids"]), len(t.split()),
+                 approx(math.exp(lp / n)), label_for(s, 0.8, 0.5), label_for(math.exp(lp / n), 0.8, 0.5))
+                for d, p, t, lp, n, s in cases]
+    assert expected[0][0] == "two" and expected[1][0] is None
+    got = [(r[0], r[1], r[2], approx(r[3]), r[4], r[5]) for r in result.rows]
+    assert sorted(got, key=str) == sorted(expected, key=str)
+
+
+def test_prompt_runs_statements_ending_in_semicolons(sql_env):
+    parser = argparse.ArgumentParser(prog="streamtune")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sql", "-D", f"bootstrap={sql_env.bootstrap}", "--max-rows", "5"])
+    stdin = io.StringIO("-- a comment; not a statement\n"
+                        "SELECT json_path('{\"a\": [1, 2]}', '$.a[1]') AS v,\n"
+                        "       pseudo_label(0.9, 0.8, 0.5) AS l;\n"
+                        "SELECT no_such_column FROM feedback;\n"
+                        "SHOW TABLES;\n"
+                        "quit;\n"
+                        "SELECT 'not reached';\n")
+    out = io.StringIO()
+    from streamtune.sql_client import cmd_sql
+
+    assert cmd_sql(args, stdin=stdin, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["v\tl", "2\taccepted"]
+    assert any(line.startswith("ERROR:") and "no_such_column" in line for line in lines)
+    assert "feedback" in lines and "adapter_versions" in lines  # ddl.sql ran before the prompt
+    assert "not reached" not in out.getvalue()
+
+
+def test_module_entry_point_help():
+    r = subprocess.run([sys.executable, "-m", "streamtune.sql_client", "--help"], cwd=REPO, capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.returncode == 0 and "-D NAME=VALUE" in r.stdout and "--max-rows" in r.stdout
+
+
+def test_statements_variables_and_render():
+    from streamtune.sql_client import SqlError, file_variables, is_complete, render, split_statements
+
+    text = ("-- var topic = t.default   a comment\n"
+            "SET 'a' = 'b';  /* block; comment */\n"
+            "SELECT ';' AS `semi;colon`, '${topic}' FROM x -- tail; comment\n;\n"
+            "INSERT INTO y SELECT 'it''s; fine'")
+    assert split_statements(text) == ["SET 'a' = 'b'", "SELECT ';' AS `semi;colon`, '${topic}' FROM x",
+                                      "INSERT INTO y SELECT 'it''s; fine'"]
+    assert file_variables(text) == {"topic": "t.default"}
+    assert "'t.default'" in render(text, {"bootstrap": "b"})
+    assert "'other'" in render(text, {"bootstrap": "b", "topic": "other"})
+    with pytest.raises(SqlError, match="undefined variables \\['nope'\\]"):
+        render("SELECT '${nope}'", {"bootstrap": "b"})
+    assert not is_complete("SELECT 1") and not is_complete("SELECT ';'  -- x") and is_complete("SELECT 1; -- x")
+    assert not is_complete("EXECUTE STATEMENT SET BEGIN INSERT INTO a SELECT 1;")
+    assert is_complete("EXECUTE STATEMENT SET BEGIN INSERT INTO a SELECT 1; END;")
+
+    from streamtune.sql_client import cmd_sql
+
+    parser = argparse.ArgumentParser(prog="streamtune")
+    add_parser(parser.add_subparsers(dest="command"))
+    out = io.StringIO()
+    args = parser.parse_args(["sql", "--render", "-f", str(SQL / "label_rates.sql"), "-D", "bootstrap=kafka:9092",
+                              "-D", "feedback_topic=fb"])
+    assert cmd_sql(args, out=out) == 0
+    rendered = out.getvalue()
+    assert rendered.index("ddl.sql") < rendered.index("label_rates.sql")  # the init file first
+    assert "'kafka:9092'" in rendered and "'fb'" in rendered and "HOP(TABLE feedback" in rendered
+
+
+def test_every_shipped_file_renders_for_sql_client():
+    """What `streamtune sql --render` gives sql-client.sh: no ${...} left, same statements."""
+    from streamtune.sql_client import render, split_statements
+
+    shipped = sorted(SQL.glob("*.sql"))
+    assert {p.name for p in shipped} == {"ddl.sql", "functions.sql", "samples_per_model.sql", "label_rates.sql",
+                                         "token_lengths.sql", "dlq_rate.sql", "freshness.sql", "retrain_trigger.sql"}
+    for path in shipped:
+        text = path.read_text()
+        assert text.startswith("-- "), f"{path.name} lacks its header comment"
+        out = render(text, {"bootstrap": "kafka:9092"})
+        assert "${" not in out and len(split_statements(out)) == len(split_statements(text)), path.name
+    import udfs
+
+    assert split_statements((SQL / "functions.sql").read_text()) == udfs.create_statements()
