@@ -33,7 +33,7 @@ _BASES: dict[str, "LoraTrainer"] = {}
 
 @dataclass
 class StepResult:
-    state: dict          # {"shape": str, "lora": bytes, "optim": bytes, "steps": int}
+    state: dict          # {"shape": str, "lora": bytes, "optim": bytes, "steps": int, "sha256": str}
     files: dict          # PEFT artifact: file name -> bytes
     sha256: str          # of adapter_model.safetensors
     fresh_adapter: bool
@@ -54,6 +54,9 @@ class LoraTrainer:
         self.base = AutoModelForCausalLM.from_pretrained(self.base_dir, local_files_only=True).to(self.device)
         self.base.requires_grad_(False)
         self.model = None  # the PeftModel wrapping `base`, created with the first adapter
+        # adapter name -> (sha256 of the state it holds, its optimizer): skips reloading
+        # keyed state that this worker itself produced at the previous step.
+        self._live: dict[str, tuple[str, torch.optim.Optimizer]] = {}
 
     @classmethod
     def for_base(cls, base_dir: str) -> "LoraTrainer":
@@ -93,14 +96,18 @@ class LoraTrainer:
         torch.manual_seed(seed)
         name, params = self._activate(model_id, adapter)
         fresh = state is None or state.get("shape") != adapter.shape_key
-        optimizer = torch.optim.AdamW([p for _, p in params], lr=training.lr)
+        live = self._live.get(name)
         if fresh:
             self._reset_adapter(name, seed)
-        else:
+            optimizer = torch.optim.AdamW([p for _, p in params], lr=training.lr)
+        elif live is not None and live[0] == state.get("sha256"):
+            optimizer = live[1]  # this worker's adapter and optimizer already hold exactly that state
+        else:  # a restore, or the key moved here: load the state
             set_peft_model_state_dict(self.model, load_safetensors(state["lora"]), adapter_name=name)
+            optimizer = torch.optim.AdamW([p for _, p in params], lr=training.lr)
             optimizer.load_state_dict(torch.load(io.BytesIO(state["optim"]), weights_only=True))
-            for group in optimizer.param_groups:  # a hot config may change the learning rate
-                group["lr"] = training.lr
+        for group in optimizer.param_groups:  # a hot config may change the learning rate
+            group["lr"] = training.lr
 
         examples = [encode_example(self.tokenizer, s.prompt, s.completion, training.max_seq_len) for s in samples]
         weights = [float(s.weight) for s in samples]
@@ -115,14 +122,17 @@ class LoraTrainer:
         optim_buf = io.BytesIO()
         torch.save(optimizer.state_dict(), optim_buf)
         steps = (0 if fresh else state["steps"]) + 1
+        sha256 = hashlib.sha256(lora_bytes).hexdigest()
+        self._live[name] = (sha256, optimizer)
         config = self.model.peft_config[name].to_dict()
         config.update(base_model_name_or_path=self.base_dir, inference_mode=True)
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
         files = {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
                  "adapter_model.safetensors": lora_bytes}
         return StepResult(
-            state={"shape": adapter.shape_key, "lora": lora_bytes, "optim": optim_buf.getvalue(), "steps": steps},
-            files=files, sha256=hashlib.sha256(lora_bytes).hexdigest(), fresh_adapter=fresh,
+            state={"shape": adapter.shape_key, "lora": lora_bytes, "optim": optim_buf.getvalue(), "steps": steps,
+                   "sha256": sha256},
+            files=files, sha256=sha256, fresh_adapter=fresh,
             metrics={"loss_before": loss_before, "loss_after": loss_after, "samples": len(samples),
                      "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4)})
 

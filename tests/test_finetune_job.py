@@ -17,12 +17,20 @@ import pytest
 
 from jobkit import job_args, job_topics, spec, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_samples
-from streamtune.stack.flink import cancel_job, submit_detached
+from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.finetune
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_750_000_000_000  # event time of the scenarios (windows are epoch aligned)
+
+
+def wait_until_running(config, job_id: str, timeout: float = 60) -> None:
+    """Until the job's tasks run (its Python workers take a few seconds more to start)."""
+    deadline = time.monotonic() + timeout
+    while job_state(config, job_id) != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(5)
 
 
 def malformed_records(n: int, model_id: str, seed: int) -> list[tuple[bytes, str]]:
@@ -68,6 +76,17 @@ def scenario(stack_config, base_model, tmp_path_factory):
         samples.sort(key=lambda s: s["ts"])
         bad = malformed_records(1000, models["a"], seed=5)
         producer = KafkaProducer(bootstrap_servers=stack_config.kafka_bootstrap, acks="all")
+        # The late model's first samples reach the running job, then its config follows a
+        # moment later: within the grace period, so none of its samples may be dead-lettered.
+        wait_until_running(stack_config, job)
+        first_late = [s for s in samples if s["model_id"] == models["late"]][:5]
+        for s in first_late:
+            producer.send(topics["feedback"], json.dumps(s).encode(), timestamp_ms=s["ts"])
+        producer.flush()
+        time.sleep(2)
+        send_config(stack_config.kafka_bootstrap, topics["configs"],
+                    spec(models["late"], topics, min_samples=10, window_seconds=5), T0 + 1000)
+        samples = [s for s in samples if s not in first_late]
         sent_bad, per_sample = [], -(-len(bad) // len(samples))
         for i, s in enumerate(samples):
             producer.send(topics["feedback"], json.dumps(s).encode(), timestamp_ms=s["ts"])
@@ -75,9 +94,7 @@ def scenario(stack_config, base_model, tmp_path_factory):
                 sent_bad.append((producer.send(topics["feedback"], payload, timestamp_ms=s["ts"]), reason))
         producer.flush()
         bad_offsets = {future.get(timeout=10).offset: reason for future, reason in sent_bad}
-        time.sleep(1)  # the late model's config comes a moment after its samples, within the grace
-        send_config(stack_config.kafka_bootstrap, topics["configs"],
-                    spec(models["late"], topics, min_samples=10, window_seconds=5), T0 + 1000)
+        samples = first_late + samples
         # Samples 25 s later close every window above (and the ghost's grace period).
         closers = [dict(s, sample_id=f"closer-{s['model_id']}", ts=T0 + 45_000)
                    for s in digit_samples(models["a"], pairs[:1], T0, 1) + digit_samples(models["b"], pairs[:1], T0, 1)
