@@ -22,7 +22,7 @@ from pathlib import Path
 
 from connectors.kafka import read_topic
 
-from .feedback import digit_samples, send_config, send_samples
+from .feedback import digit_samples, producer, send_config, send_samples
 from .stack import Stack, StackConfig, StackError
 from .stack.flink import cancel_job, submit_detached
 
@@ -96,9 +96,7 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     # One later sample closes the last window (event time only moves with the data).
     closer = digit_samples(model_id, train[:1], start + WINDOWS * window_ms, 1, id_prefix=f"{run}-closer-")
     sent = send_samples(config.kafka_bootstrap, topics["feedback"], samples + closer)
-    from kafka import KafkaProducer
-
-    bad = KafkaProducer(bootstrap_servers=config.kafka_bootstrap)
+    bad = producer(config.kafka_bootstrap)
     for payload in MALFORMED:
         bad.send(topics["feedback"], payload, timestamp_ms=start)
     bad.flush()

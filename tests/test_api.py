@@ -10,7 +10,6 @@ alias calls end in 404/422 before anything is written.
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 

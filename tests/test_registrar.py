@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from connectors.kafka import create_topic, read_topic
+from connectors.kafka import read_topic
 from connectors.mlflow_registry import ArtifactIntegrityError, make_client, register_version
 from streamtune.registrar import Registrar, RegistrarConfig
 
