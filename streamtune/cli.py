@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     from .api.cli import add_parsers as add_api_parsers
     from .sql_client import add_parser as add_sql_parser
 
+    from .cdc import add_parser as add_cdc_parser
+
     add_api_parsers(sub)
+    add_cdc_parser(sub)
     add_sql_parser(sub)
     args = parser.parse_args(argv)
     try:
