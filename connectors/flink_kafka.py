@@ -17,13 +17,14 @@ TRANSACTION_TIMEOUT_MS = "900000"
 
 def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str, lateness_ms: int,
                     idle_timeout_ms: int) -> str:
-    """A raw-string Kafka table over `topics` with source metadata and an event-time watermark.
+    """A raw-string Kafka table (key, payload) over `topics` with source metadata and an event-time watermark.
 
     Watermarks are generated per partition at the source, from the Kafka record timestamps;
     a partition without records for `idle_timeout_ms` stops holding the watermark back.
     """
     return f"""
         CREATE TEMPORARY TABLE `{name}` (
+            `key` STRING,
             `payload` STRING,
             `topic` STRING METADATA VIRTUAL,
             `partition` INT METADATA VIRTUAL,
@@ -38,7 +39,10 @@ def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str,
             'properties.isolation.level' = 'read_committed',
             'scan.startup.mode' = 'earliest-offset',
             'scan.watermark.idle-timeout' = '{idle_timeout_ms} ms',
-            'format' = 'raw'
+            'key.format' = 'raw',
+            'key.fields' = 'key',
+            'value.format' = 'raw',
+            'value.fields-include' = 'EXCEPT_KEY'
         )"""
 
 

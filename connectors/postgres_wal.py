@@ -46,6 +46,10 @@ class CdcError(Exception):
     """A clear, user-facing reason the capture cannot run as configured."""
 
 
+class SlotBusy(CdcError):
+    """Another connection holds the slot (often the walsender of a client that just died)."""
+
+
 @dataclass
 class Relation:
     schema: str
@@ -291,7 +295,8 @@ class PostgresWal:
         pg.send_query(sql.encode())
         res = pg.get_result()
         if res.status != pq.ExecStatus.COPY_BOTH:
-            raise CdcError(f"{sql}: {res.error_message.decode(errors='replace').strip()}")
+            message = res.error_message.decode(errors="replace").strip()
+            raise (SlotBusy if "is active for PID" in message else CdcError)(f"{sql}: {message}")
 
     def _read(self, timeout: float) -> bytes | None:
         pg = self._repl.pgconn

@@ -36,14 +36,13 @@ from operators.finetune_function import FinetuneFunction, TrainerSettings
 from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def arg_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The options every training job shares (jobs/cdc_retrain.py adds its own)."""
     from streamtune.stack import StackConfig
 
     stack = StackConfig.from_env()
-    p = argparse.ArgumentParser(prog="stream_finetune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bootstrap", default=os.environ.get("STREAMTUNE_KAFKA_BOOTSTRAP", stack.kafka_bootstrap))
-    p.add_argument("--feedback-topic", default="streamtune.feedback")
     p.add_argument("--config-topic", default="streamtune.configs")
     p.add_argument("--versions-topic", default="streamtune.versions")
     p.add_argument("--dlq-topic", default="streamtune.dlq")
@@ -59,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")
     p.add_argument("--parallelism", type=int, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = arg_parser("stream_finetune", __doc__)
+    p.add_argument("--feedback-topic", default="streamtune.feedback")
     p.add_argument("--job-name", default="streamtune-finetune")
     return p.parse_args(argv)
 
@@ -69,19 +74,25 @@ def build(env: StreamExecutionEnvironment, args: argparse.Namespace) -> None:
                                       args.bootstrap, f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms))
     rows = t_env.to_data_stream(t_env.from_path("streamtune_input"))
 
-    validated = rows.process(ValidateFunction(args.feedback_topic, args.config_topic, args.max_record_bytes),
+    validated = rows.process(ValidateFunction(frozenset({f"kafka:{args.feedback_topic}"}), args.config_topic,
+                                              args.max_record_bytes),
                              output_type=VALID_TYPE).name("validate").uid("validate")
+    train(validated, [validated.get_side_output(DLQ_TAG)], args)
+
+
+def train(trainer_input, dead_letters: list, args: argparse.Namespace) -> None:
+    """key_by(model) → LoRA trainer → exactly-once versions; every dead letter → the DLQ."""
     settings = TrainerSettings(default_base_model=str(Path(args.base_model).resolve()),
                                artifact_dir=str(Path(args.artifact_dir).resolve()),
                                unknown_model_grace_ms=int(args.unknown_model_grace_seconds * 1000),
                                lateness_ms=args.lateness_ms)
-    versions = (validated.key_by(lambda r: r[1], key_type=Types.STRING())
+    versions = (trainer_input.key_by(lambda r: r[1], key_type=Types.STRING())
                 .process(FinetuneFunction(settings), output_type=Types.STRING())
                 .name("lora-trainer").uid("lora-trainer"))
 
     versions.sink_to(exactly_once_sink(args.bootstrap, args.versions_topic, f"{args.job_name}-versions")) \
         .name("versions-sink").uid("versions-sink")
-    validated.get_side_output(DLQ_TAG).union(versions.get_side_output(DLQ_TAG)) \
+    dead_letters[0].union(*dead_letters[1:], versions.get_side_output(DLQ_TAG)) \
         .sink_to(exactly_once_sink(args.bootstrap, args.dlq_topic, f"{args.job_name}-dlq")) \
         .name("dlq-sink").uid("dlq-sink")
 

@@ -61,6 +61,13 @@ def write_artifact(root: str, model_id: str, version_id: str, files: dict, sha25
     return str(target)
 
 
+def _origin(p: Pending) -> dict:
+    """The CDC origin of a pending sample (row, op, LSNs or resume token), {} for plain feedback."""
+    if '"origin"' not in p.payload:
+        return {}
+    return json.loads(p.payload).get("origin") or {}
+
+
 class FinetuneFunction(KeyedProcessFunction):
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
@@ -82,10 +89,12 @@ class FinetuneFunction(KeyedProcessFunction):
         self.adapter = state("adapter")    # LoraTrainer state dict
         self.seq = state("seq")            # versions emitted so far
         self.last_trigger = state("last_trigger")  # window_end of the last retrain trigger applied
+        self.retracted = state("retracted")  # origins of CDC rows retracted since the last version
         metrics = runtime_context.get_metrics_group()
         self.windows_fired = metrics.counter("windows_fired")
         self.unknown_dead_lettered = metrics.counter("unknown_model_dead_lettered")
         self.triggers_ignored = metrics.counter("triggers_ignored")
+        self.row_counters = {n: metrics.counter(n) for n in ("samples_superseded", "samples_retracted")}
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
@@ -96,6 +105,9 @@ class FinetuneFunction(KeyedProcessFunction):
         if kind == "trigger":
             yield from self._on_trigger(body, ctx)
             return
+        if kind == "retract":
+            self._on_retract(json.loads(body))
+            return
         cfg = self.config.value()
         if cfg is not None:
             # The model's own data has moved past these window ends: close them before this
@@ -103,7 +115,10 @@ class FinetuneFunction(KeyedProcessFunction):
             spec = FinetuneSpec.model_validate_json(cfg["spec"])
             yield from self._close_windows(ctx, spec, cfg, ts - self.settings.lateness_ms)
         sample = FeedbackSample.model_validate_json(body)
-        pending = (self.pending.value() or []) + [Pending(
+        pending = self.pending.value() or []
+        if sample.origin is not None:  # a newer change of the same row supersedes its untrained sample
+            pending = self._without_row(pending, sample.origin["row_key"], "samples_superseded")
+        pending = pending + [Pending(
             sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
             body)]
         if cfg is None:
@@ -155,6 +170,18 @@ class FinetuneFunction(KeyedProcessFunction):
         self.pending.clear()
         self.timer.clear()
         yield self._fire(ctx.get_current_key(), spec, cfg, batch, max(end, batch[-1].ts + 1), "forced")
+
+    def _on_retract(self, retraction: dict) -> None:
+        """A deleted (or no longer matching) row: drop its untrained sample; name it in the
+        next version's lineage, so consumers of replay and eval sets can drop it too."""
+        self.pending.update(self._without_row(self.pending.value() or [], retraction["row_key"],
+                                              "samples_retracted"))
+        self.retracted.update((self.retracted.value() or []) + [retraction["origin"]])
+
+    def _without_row(self, pending: list[Pending], row_key: str, counter: str) -> list[Pending]:
+        kept = [p for p in pending if _origin(p).get("row_key") != row_key]
+        self.row_counters[counter].inc(len(pending) - len(kept))
+        return kept
 
     def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
         """The watermark closes the window of each pending sample when the model's data stops."""
@@ -222,6 +249,9 @@ class FinetuneFunction(KeyedProcessFunction):
         seq = (self.seq.value() or 0) + 1
         self.adapter.update(result.state)
         self.seq.update(seq)
+        retracted = self.retracted.value() or []
+        self.retracted.clear()
+        origins = [dict(_origin(s), sample_id=s.sample_id) for s in batch if _origin(s)]
         self.windows_fired.inc()
         a = spec.adapter_config
         # The whole operator step: state in, training, artifact out (the bench's numerator).
@@ -235,7 +265,9 @@ class FinetuneFunction(KeyedProcessFunction):
                         "dropout": a.dropout},
             "trigger_policy": spec.trigger_policy.model_dump(),
             "metrics": metrics,
-            "lineage": {"sample_ids": [s.sample_id for s in batch], "offsets": offset_ranges(batch)},
+            "lineage": {"sample_ids": [s.sample_id for s in batch], "offsets": offset_ranges(batch),
+                        **({"origins": origins} if origins else {}),
+                        **({"retracted": retracted} if retracted else {})},
             "trigger": trigger,
         }, sort_keys=True)
 

@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from kafka import KafkaProducer
 
-from connectors.debezium import lsn_text, row_key
+from connectors.debezium import lsn_text
 from connectors.kafka import create_topic, read_topic
 
 log = logging.getLogger("streamtune.cdc")
@@ -96,6 +96,15 @@ def last_offsets(bootstrap: str, offsets_topic: str, name: str) -> dict:
     return found
 
 
+def _retryable() -> tuple:
+    import psycopg
+    import pymongo.errors
+
+    from connectors.postgres_wal import SlotBusy
+
+    return (SlotBusy, ConnectionError, psycopg.OperationalError, pymongo.errors.ConnectionFailure)
+
+
 class Capture:
     """Source → Kafka with acknowledged writes before any position moves."""
 
@@ -110,6 +119,7 @@ class Capture:
         self.last_stored = 0.0
 
     def run(self) -> None:
+        retryable = _retryable()
         for t in (self.topic, self.offsets_topic):
             create_topic(self.bootstrap, t)
         self.stored = last_offsets(self.bootstrap, self.offsets_topic, self.source.name)
@@ -121,11 +131,22 @@ class Capture:
         signal.signal(signal.SIGINT, self._stop)
         log.info("capturing %s into %s (stored position: %s)", self.source.name, self.topic, self.stored or "none")
         self.last_progress = time.monotonic()
+        backoff = 0.5
         try:
-            if self.source.kind == "postgres":
-                self._run_postgres()
-            else:
-                self._run_mongo()
+            while not self.stopping:
+                try:
+                    if self.source.kind == "postgres":
+                        self._run_postgres()
+                    else:
+                        self._run_mongo()
+                    return
+                except retryable as e:
+                    # e.g. the slot is still held by the walsender of a capture that just died
+                    log.warning("%s: %s; retrying in %.1f s from the last durable position",
+                                self.source.name, str(e).strip().splitlines()[0], backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    self.stored = last_offsets(self.bootstrap, self.offsets_topic, self.source.name)
         finally:
             self.producer.close(timeout=10)
 
@@ -208,7 +229,10 @@ class Capture:
     def _send(self, key_fields: list[str], event: dict) -> None:
         if self.unflushed == 0:
             self.first_unflushed = time.monotonic()
-        self.producer.send(self.topic, key=row_key(event, key_fields),
+        image = event["after"] if event["after"] is not None else event["before"]
+        # Debezium's key: the primary key columns as a JSON object.
+        key = json.dumps({f: image.get(f) for f in key_fields}, sort_keys=True, separators=(",", ":"), default=str)
+        self.producer.send(self.topic, key=key,
                            value=json.dumps({**event, "key_fields": key_fields}, sort_keys=True, default=str))
         self.unflushed += 1
         self.counts[event["op"]] += 1

@@ -1,4 +1,4 @@
-"""Run `jobs/stream_finetune.py` on an embedded mini-cluster as a child process.
+"""Run a job (`jobs/stream_finetune.py` by default) on an embedded mini-cluster as a child process.
 
 Tests and benchmarks use it to kill a job with SIGKILL and restart it from its latest
 retained checkpoint, exactly as an operator would with `execution.state-recovery.path`.
@@ -22,12 +22,13 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
 
 
 class LocalJob:
-    def __init__(self, args: list[str], checkpoint_dir: Path, log_file: Path):
+    def __init__(self, args: list[str], checkpoint_dir: Path, log_file: Path, module: str = "jobs.stream_finetune"):
         self.args, self.checkpoint_dir, self.log_file = args, Path(checkpoint_dir), Path(log_file)
+        self.module = module
         self.proc: subprocess.Popen | None = None
 
     def start(self, restore_from: Path | None = None) -> None:
-        cmd = [sys.executable, "-m", "jobs.stream_finetune", *self.args,
+        cmd = [sys.executable, "-m", self.module, *self.args,
                "--checkpoint-dir", f"file://{self.checkpoint_dir}"]
         if restore_from:
             cmd += ["--restore-from", f"file://{restore_from}"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -43,6 +43,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def source_id(stream_source: str) -> str:
+    """kafka://topic=t → kafka:t; postgres://…?table=t → postgres:public.t; mongodb://…?db=d&collection=c → mongodb:d.c"""
+    parts = urlsplit(stream_source)
+    q = parse_qs(parts.query)
+    if parts.scheme == "kafka":
+        return "kafka:" + (parts.netloc + parts.path).split("=", 1)[1]
+    if parts.scheme in ("postgres", "postgresql"):
+        table = q["table"][0]
+        return "postgres:" + (table if "." in table else f"public.{table}")
+    return f"mongodb:{q['db'][0]}.{q['collection'][0]}"
+
+
 class FeedbackSample(_Strict):
     model_id: str = Field(pattern=MODEL_ID)
     sample_id: str = Field(min_length=1, max_length=256)
@@ -51,6 +63,9 @@ class FeedbackSample(_Strict):
     label: Optional[Literal["accepted", "corrected", "rejected"]] = None
     weight: float = Field(default=1.0, ge=0.0, le=10.0)
     ts: int = Field(ge=0)
+    # Where a sample made from a database change came from: row_key, op, table and the
+    # change's position (lsn / commit_lsn or resume_token); carried into version lineage.
+    origin: Optional[dict[str, Any]] = None
 
     @property
     def effective_weight(self) -> float:
@@ -129,6 +144,11 @@ class FinetuneSpec(_Strict):
     def kafka_topic(self) -> Optional[str]:
         parts = urlsplit(self.stream_source)
         return (parts.netloc + parts.path).split("=", 1)[1] if parts.scheme == "kafka" else None
+
+    @property
+    def source_id(self) -> str:
+        """What a job serves: kafka:<topic>, postgres:<schema.table> or mongodb:<db.collection>."""
+        return source_id(self.stream_source)
 
     def spec_hash(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -14,16 +14,16 @@ SAMPLE = {"model_id": "m1", "sample_id": "s1", "prompt": "x=1234;y=", "completio
 
 def reason(kind, payload, max_bytes=65536):
     with pytest.raises(Invalid) as e:
-        parse(kind, payload, max_bytes, "user_feedback_v3")
+        parse(kind, payload, max_bytes, frozenset({"kafka:user_feedback_v3"}))
     return e.value.code, e.value.detail
 
 
 def test_seed_spec_is_accepted_as_is():
-    assert parse("config", json.dumps(SEED_SPEC), 65536, "user_feedback_v3") == ("config", "llama3-8b-streaming-v2")
+    assert parse("config", json.dumps(SEED_SPEC), 65536, frozenset({"kafka:user_feedback_v3"})) == ("config", "llama3-8b-streaming-v2")
 
 
 def test_valid_sample_routes_by_model_id():
-    assert parse("sample", json.dumps(SAMPLE), 65536, "t") == ("sample", "m1")
+    assert parse("sample", json.dumps(SAMPLE), 65536, frozenset({"kafka:t"})) == ("sample", "m1")
 
 
 def test_bad_json_schema_and_size_each_get_a_reason():
@@ -48,7 +48,7 @@ def test_invalid_spec_names_the_field():
 
 def test_config_topic_record_with_trigger_is_a_retrain_trigger():
     trigger = {"model_id": "m1", "trigger": "retrain", "reason": "correction rate"}
-    assert parse("config", json.dumps(trigger), 65536, "t") == ("trigger", "m1")
+    assert parse("config", json.dumps(trigger), 65536, frozenset({"kafka:t"})) == ("trigger", "m1")
     assert reason("config", json.dumps({**trigger, "trigger": "maybe"}))[0] == "schema"
 
 
@@ -62,4 +62,4 @@ def test_sql_trigger_record_with_evidence_fields_is_accepted():
     trigger = {"model_id": "m-1", "trigger": "retrain", "reason": "correction_rate 0.40 > 0.30",
                "window_start": 1, "window_end": 2, "correction_rate": 0.4, "corrected": 4, "labelled": 10,
                "threshold": 0.3}
-    assert parse("config", json.dumps(trigger), 65536, "t") == ("trigger", "m-1")
+    assert parse("config", json.dumps(trigger), 65536, frozenset({"kafka:t"})) == ("trigger", "m-1")

@@ -1,0 +1,199 @@
+"""Database changes → training samples, retractions and retrain triggers (declarative).
+
+A mapping file (YAML or JSON) says which table or collection feeds which model:
+
+    mappings:
+      - table: public.support_answers        # PostgreSQL schema.table (bare name: public)
+        model_id: {column: model}            # or {value: support-bot}
+        prompt: question
+        completion: answer
+        weight: score                        # optional column; default 1
+        filter:                              # optional; every condition must hold
+          - {column: status, op: eq, value: approved}
+      - collection: shop.reviews             # MongoDB db.collection (dotted paths for fields)
+        model_id: {value: review-bot}
+        prompt: text
+        completion: reply.body
+    triggers:
+      - table: public.policies               # any change here …
+        models: [support-bot]                # … trains these models' pending samples now
+        reason: support policy changed
+
+Inserts and updates that pass the filter become samples (an update supersedes the row's
+untrained sample); a delete, or an update that no longer passes, retracts the row's
+sample. Samples carry `origin` (row, op, LSNs or resume token) into version lineage.
+
+>>> m = Mapping.model_validate({"table": "answers", "model_id": {"value": "bot"},
+...                             "prompt": "q", "completion": "a",
+...                             "filter": [{"column": "ok", "op": "eq", "value": True}]})
+>>> m.source, m.applies({"q": "2+2?", "a": "4", "ok": True}), m.applies({"q": "x", "a": "y", "ok": False})
+('postgres:public.answers', True, False)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from connectors.debezium import OPS, row_key, source_position_text, table_of
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Condition(_Strict):
+    column: str = Field(min_length=1)
+    op: Literal["eq", "ne", "in", "not_in", "not_null", "is_null"] = "eq"
+    value: Any = None
+
+    def holds(self, row: dict) -> bool:
+        v = field(row, self.column)
+        return {"eq": lambda: v == self.value, "ne": lambda: v != self.value,
+                "in": lambda: v in (self.value or []), "not_in": lambda: v not in (self.value or []),
+                "not_null": lambda: v is not None, "is_null": lambda: v is None}[self.op]()
+
+
+class ModelRef(_Strict):
+    column: Optional[str] = None
+    value: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "ModelRef":
+        if (self.column is None) == (self.value is None):
+            raise ValueError("model_id takes exactly one of column or value")
+        return self
+
+
+class _Target(_Strict):
+    table: Optional[str] = None
+    collection: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_target(self):
+        if (self.table is None) == (self.collection is None):
+            raise ValueError("give exactly one of table (PostgreSQL) or collection (MongoDB db.collection)")
+        if self.collection is not None and self.collection.count(".") < 1:
+            raise ValueError("collection must be db.collection")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The same id as FinetuneSpec.source_id for the spec's stream_source."""
+        if self.table is not None:
+            return "postgres:" + (self.table if "." in self.table else f"public.{self.table}")
+        return f"mongodb:{self.collection}"
+
+
+class Mapping(_Target):
+    model_id: ModelRef
+    prompt: str = Field(min_length=1)
+    completion: str = Field(min_length=1)
+    weight: Optional[str] = None
+    filter: list[Condition] = []
+
+    def applies(self, row: dict | None) -> bool:
+        return row is not None and all(c.holds(row) for c in self.filter)
+
+    def model_for(self, row: dict) -> Any:
+        return self.model_id.value if self.model_id.value is not None else field(row, self.model_id.column)
+
+
+class TriggerRule(_Target):
+    models: list[str] = Field(min_length=1)
+    reason: str = Field(default="source table changed", min_length=1)
+
+
+class CdcMapping(_Strict):
+    mappings: list[Mapping] = []
+    triggers: list[TriggerRule] = []
+
+    @model_validator(mode="after")
+    def _something(self) -> "CdcMapping":
+        if not self.mappings and not self.triggers:
+            raise ValueError("a mapping file needs at least one entry under mappings or triggers")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CdcMapping":
+        """Read and validate a YAML or JSON mapping file; ValueError names what is wrong."""
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+            return cls.model_validate(data)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not YAML/JSON: {e}") from None
+        except ValidationError as e:
+            from streamtune.specs import describe_error
+
+            raise ValueError(f"{path}: {describe_error(e)}") from None
+
+    @property
+    def sources(self) -> frozenset[str]:
+        return frozenset(m.source for m in self.mappings)
+
+
+def field(row: dict, path: str) -> Any:
+    """A column, or a dotted path into a document."""
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def event_source(event: dict) -> str:
+    src = event["source"]
+    if src["connector"] == "postgresql":
+        return f"postgres:{src['schema']}.{src['table']}"
+    return f"mongodb:{src['db']}.{src['collection']}"
+
+
+def parse_change(payload: str | None, max_bytes: int, kafka_key: str | None) -> str:
+    """Check a change event's envelope; returns the changed row's identity or raises Invalid."""
+    from operators.validate import Invalid as BadChange
+
+    if not payload:
+        raise BadChange("empty", "change event has no value (a tombstone?)")
+    if len(payload.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise BadChange("oversized", f"change event exceeds max_record_bytes={max_bytes}")
+    try:
+        event = json.loads(payload)
+    except json.JSONDecodeError as e:
+        raise BadChange("bad_json", f"not JSON: {e}") from None
+    if not isinstance(event, dict) or event.get("op") not in OPS or not isinstance(event.get("source"), dict):
+        raise BadChange("not_a_change_event", "expected a Debezium envelope {before, after, op: c|u|d|r, source}")
+    src = event["source"]
+    needed = ("db", "schema", "table", "sequence") if src.get("connector") == "postgresql" else \
+        ("db", "collection", "resume_token", "ts_ms", "ord") if src.get("connector") == "mongodb" else None
+    if needed is None or any(k not in src for k in needed):
+        raise BadChange("not_a_change_event", f"source must be postgresql {{db, schema, table, sequence}} or "
+                                              f"mongodb {{db, collection, resume_token, ts_ms, ord}}, got {sorted(src)}")
+    image = event.get("after") if event["op"] != "d" else event.get("before")
+    if event["op"] in ("c", "r") and not isinstance(image, dict):
+        raise BadChange("not_a_change_event", f"op {event['op']} needs an `after` object")
+    if kafka_key:
+        return f"{src['connector']}/{src['name'] if 'name' in src else ''}/{table_of(event)}/{kafka_key}"
+    keys = event.get("key_fields")
+    if not keys or not isinstance(image if image is not None else event.get("before"), dict):
+        raise BadChange("no_row_key", "change event without a Kafka key or key_fields: cannot tell which row changed")
+    return row_key(event, keys)
+
+
+def content_hash(row: dict | None) -> str:
+    return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def position_text(event: dict) -> str:
+    pos = source_position_text(event)
+    if "lsn" in pos:
+        return f"{pos['commit_lsn']}/{pos['lsn']}/{event['source'].get('tx_index', 0)}"
+    t, i = pos["cluster_time"]
+    return f"{t}.{i}"

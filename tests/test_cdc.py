@@ -1,0 +1,283 @@
+"""CDC: PostgreSQL WAL and MongoDB change streams → samples → LoRA versions in MLflow.
+
+Real PostgreSQL (wal_level=logical, pgoutput), real secantusdb change streams, `streamtune
+cdc` capture processes, `jobs/cdc_retrain.py` on an embedded mini-cluster, the registrar and
+MLflow. Rows are changed with psql, documents with pymongo.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pymongo
+import pytest
+from kafka import KafkaProducer
+
+from cdckit import CaptureProcess, cdc_spec, psql
+from connectors.kafka import create_topic, read_topic
+from jobkit import wait_for_records
+from streamtune.feedback import send_config
+from streamtune.local_job import LocalJob
+
+pytestmark = pytest.mark.cdc
+LSN = re.compile(r"^[0-9A-F]+/[0-9A-F]+$")
+
+
+def topics_for(bootstrap: str, prefix: str) -> dict:
+    topics = {k: f"{prefix}.{k}" for k in ("configs", "versions", "dlq", "pg", "mongo", "offsets")}
+    for t in topics.values():
+        create_topic(bootstrap, t)
+    return topics
+
+
+def retrain_job(topics: dict, mapping: dict, base_model, tmp: Path, bootstrap: str, name: str) -> LocalJob:
+    (tmp / "mapping.json").write_text(json.dumps(mapping))
+    args = ["--cdc-topic", topics["pg"], "--cdc-topic", topics["mongo"], "--mapping", str(tmp / "mapping.json"),
+            "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
+            "--dlq-topic", topics["dlq"], "--base-model", str(base_model), "--artifact-dir", str(tmp / "adapters"),
+            "--bootstrap", bootstrap, "--checkpoint-interval-ms", "1000", "--job-name", name]
+    return LocalJob(args, tmp / "checkpoints", tmp / "job.log", module="jobs.cdc_retrain")
+
+
+def versions_of(records: list[dict], model_id: str) -> list[dict]:
+    """Distinct versions of a model (Tansu can show a version of an aborted transaction twice)."""
+    by_id = {r["version_id"]: r for r in records if r["model_id"] == model_id}
+    return sorted(by_id.values(), key=lambda r: r["seq"])
+
+
+def row_ids(version: dict) -> list[int]:
+    return sorted(int(json.loads(o["row_key"].rsplit("/", 1)[1])["id"]) for o in version["lineage"]["origins"])
+
+
+@pytest.fixture(scope="module")
+def mongo(stack_config):
+    client = pymongo.MongoClient(stack_config.mongo_uri)
+    yield client
+    client.close()
+
+
+def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
+    """psql rows and pymongo documents → samples → versions in MLflow whose lineage names LSNs and tokens."""
+    from streamtune.registrar import Registrar, RegistrarConfig
+
+    u = f"{time.time_ns() % 10**9:x}"
+    dsn, boot = stack_config.postgres_dsn, stack_config.kafka_bootstrap
+    answers, policies, db = f"answers_{u}", f"policies_{u}", f"cdc_{u}"
+    psql(dsn, f"CREATE TABLE {answers} (id int PRIMARY KEY, model text, q text, a text, status text);"
+              f"CREATE TABLE {policies} (id int PRIMARY KEY, body text)")
+    mongo[db].create_collection("reviews", changeStreamPreAndPostImages={"enabled": True})
+    topics = topics_for(boot, f"test.cdc-{u}")
+    pg_model, mongo_model = f"pg-{u}", f"mongo-{u}"
+    mapping = {"mappings": [
+        {"table": answers, "model_id": {"column": "model"}, "prompt": "q", "completion": "a",
+         "filter": [{"column": "status", "op": "eq", "value": "approved"}]},
+        {"collection": f"{db}.reviews", "model_id": {"value": mongo_model}, "prompt": "text",
+         "completion": "reply.body"}],
+        "triggers": [{"table": policies, "models": [pg_model], "reason": "policy changed"}]}
+    captures = [
+        CaptureProcess(f"{dsn}?table={answers}&table={policies}", f"pg-{u}", topics["pg"], tmp_path / "pg.log",
+                       boot, topics["offsets"]).start(),
+        CaptureProcess(f"{stack_config.mongo_uri}&db={db}&collection=reviews", f"mongo-{u}", topics["mongo"],
+                       tmp_path / "mongo.log", boot, topics["offsets"]).start()]
+    job = retrain_job(topics, mapping, base_model, tmp_path, boot, f"cdc-{u}")
+    try:
+        captures[0].wait_for_log("created replication slot")
+        captures[1].wait_for_log("capturing")
+        job.start()
+        now = int(time.time() * 1000)
+        send_config(boot, topics["configs"], cdc_spec(pg_model, f"postgres://127.0.0.1/streamtune?table={answers}",
+                                                      min_samples=4), now - 60_000)
+        send_config(boot, topics["configs"], cdc_spec(
+            mongo_model, f"mongodb://127.0.0.1/?db={db}&collection=reviews", min_samples=3), now - 60_000)
+        # A record that is not a change event: dead-lettered with its reason, nothing else happens.
+        bad = KafkaProducer(bootstrap_servers=boot, acks="all")
+        bad.send(topics["pg"], value=b'{"op": "x"}').get(timeout=10)
+        bad.close()
+
+        approved = ", ".join(f"({i}, '{pg_model}', 'x={i}0;y=', '{i}1', 'approved')" for i in range(1, 7))
+        psql(dsn, f"INSERT INTO {answers} VALUES {approved}, (7, '{pg_model}', 'x=7;y=', '8', 'draft')")
+        psql(dsn, f"UPDATE {answers} SET a = '11!' WHERE id = 1")   # supersedes row 1's first sample
+        psql(dsn, f"DELETE FROM {answers} WHERE id = 2")            # retracts row 2 before it trains
+        for i in range(4):
+            mongo[db].reviews.insert_one({"_id": i, "text": f"review {i}", "reply": {"body": f"thanks {i}"}})
+        time.sleep(2.5)  # the next changes fall in a later window: the first windows close
+        psql(dsn, f"INSERT INTO {answers} VALUES (9, '{pg_model}', 'x=9;y=', '10', 'approved')")
+        mongo[db].reviews.insert_one({"_id": 9, "text": "review 9", "reply": {"body": "thanks 9"}})
+
+        versions = wait_for_records(boot, topics["versions"], 2, 120)
+        first = versions_of(versions, pg_model)[0]
+        assert row_ids(first) == [1, 3, 4, 5, 6]
+        by_row = {json.loads(o["row_key"].rsplit("/", 1)[1])["id"]: o for o in first["lineage"]["origins"]}
+        assert by_row[1]["op"] == "u" and all(by_row[i]["op"] == "c" for i in (3, 4, 5, 6))
+        assert all(LSN.match(o["commit_lsn"]) and LSN.match(o["lsn"]) for o in by_row.values())
+        m_first = versions_of(versions, mongo_model)[0]
+        assert len(m_first["lineage"]["origins"]) == 4
+        assert all(len(o["resume_token"]) > 16 for o in m_first["lineage"]["origins"])
+
+        # Row 3 is deleted after training; then a policy change forces row 9 below min_samples.
+        psql(dsn, f"DELETE FROM {answers} WHERE id = 3")
+        psql(dsn, f"INSERT INTO {policies} VALUES (1, 'be brief')")
+        versions = wait_for_records(boot, topics["versions"], 1, 120,
+                                    predicate=lambda r: r["model_id"] == pg_model and r["trigger"] == "forced")
+        forced = versions[0]
+        assert row_ids(forced) == [9]
+        assert [json.loads(r["row_key"].rsplit("/", 1)[1])["id"] for r in forced["lineage"]["retracted"]] == [3]
+        assert "policy changed" in json.dumps(forced) or forced["trigger"] == "forced"
+
+        dlq = wait_for_records(boot, topics["dlq"], 1, 60)
+        assert [d["reason"] for d in dlq] == ["not_a_change_event"]
+
+        # The registrar puts them in MLflow; the lineage artifact names the LSNs and tokens.
+        config = RegistrarConfig(bootstrap=boot, tracking_uri=stack_config.mlflow_uri,
+                                 versions_topic=topics["versions"], broadcast_topic=f"{topics['versions']}.bc",
+                                 group_id=f"test-cdc-{u}")
+        with Registrar(config) as reg:
+            deadline = time.monotonic() + 90
+            while reg.counts["registered"] < 3 and time.monotonic() < deadline:
+                reg.poll_once(500)
+            client = reg.client
+        for model, key in ((pg_model, "commit_lsn"), (mongo_model, "resume_token")):
+            mv = sorted(client.search_model_versions(f"name = '{model}'"), key=lambda v: int(v.version))[0]
+            lineage = json.loads(Path(client.download_artifacts(mv.run_id, "lineage.json", str(tmp_path))).read_text())
+            assert all(key in o for o in lineage["origins"]) and lineage["origins"], lineage
+    finally:
+        job.kill()
+        for c in captures:
+            c.kill()
+        psql(dsn, f"SELECT pg_drop_replication_slot('streamtune_pg_{u}')")
+
+
+def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config, base_model, mongo, tmp_path):
+    """kill -9 both captures twice while rows and documents stream in; redeliver a prefix too."""
+    u = f"{time.time_ns() % 10**9:x}"
+    dsn, boot = stack_config.postgres_dsn, stack_config.kafka_bootstrap
+    table, db = f"crash_{u}", f"crash_{u}"
+    psql(dsn, f"CREATE TABLE {table} (id int PRIMARY KEY, q text, a text)")
+    topics = topics_for(boot, f"test.cdc-crash-{u}")
+    pg_model, mongo_model = f"pgc-{u}", f"mgc-{u}"
+    mapping = {"mappings": [
+        {"table": table, "model_id": {"value": pg_model}, "prompt": "q", "completion": "a"},
+        {"collection": f"{db}.docs", "model_id": {"value": mongo_model}, "prompt": "q", "completion": "a"}]}
+    captures = [
+        CaptureProcess(f"{dsn}?table={table}", f"pgc-{u}", topics["pg"], tmp_path / "pg.log", boot,
+                       topics["offsets"]),
+        CaptureProcess(f"{stack_config.mongo_uri}&db={db}&collection=docs", f"mgc-{u}", topics["mongo"],
+                       tmp_path / "mongo.log", boot, topics["offsets"])]
+    n = 240
+    job = retrain_job(topics, mapping, base_model, tmp_path, boot, f"cdcc-{u}")
+    try:
+        for c in captures:
+            c.start()
+        captures[0].wait_for_log("created replication slot")
+        captures[1].wait_for_log("capturing")
+        now = int(time.time() * 1000)
+        send_config(boot, topics["configs"], cdc_spec(pg_model, f"postgres://x/streamtune?table={table}",
+                                                      min_samples=1), now - 60_000)
+        send_config(boot, topics["configs"], cdc_spec(mongo_model, f"mongodb://x/?db={db}&collection=docs",
+                                                      min_samples=1), now - 60_000)
+        job.start()
+
+        def write():
+            for i in range(1, n + 1):
+                psql(dsn, f"INSERT INTO {table} VALUES ({i}, 'x={i};y=', '{i + 1}')")
+                mongo[db].docs.insert_one({"_id": i, "q": f"x={i};y=", "a": str(i + 1)})
+                time.sleep(0.01)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        for _ in range(2):
+            time.sleep(2.0)
+            for c in captures:
+                c.kill()
+            time.sleep(0.3)
+            for c in captures:
+                c.start()
+        writer.join()
+        time.sleep(2.5)  # the closer row below falls in a later window and closes the others
+        psql(dsn, f"INSERT INTO {table} VALUES ({n + 1}, 'closer', 'closer')")
+        mongo[db].docs.insert_one({"_id": n + 1, "q": "closer", "a": "closer"})
+
+        # Every change reached Kafka at least once; then redeliver the first 50 of each as
+        # PostgreSQL does when a confirmation was lost: the job must drop them.
+        for topic in ("pg", "mongo"):
+            records = read_topic(boot, topics[topic], read_committed=False, idle=2.0)
+            ids = {json.loads(r.value)["after"]["_id" if topic == "mongo" else "id"] for r in records}
+            assert set(range(1, n + 2)) <= ids, f"{topic}: changes lost: {sorted(set(range(1, n + 2)) - ids)[:10]}"
+            again = KafkaProducer(bootstrap_servers=boot, acks="all")
+            for r in records[:50]:
+                again.send(topics[topic], key=r.key, value=r.value)
+            again.flush()
+            again.close()
+        assert captures[0].log().count("capturing") == 3
+
+        def trained(model: str) -> list[int]:
+            versions = versions_of(wait_for_records(boot, topics["versions"], 1, 5), model)
+            return sorted(int(json.loads(o["row_key"].rsplit("/", 1)[1]).get("id", json.loads(
+                o["row_key"].rsplit("/", 1)[1]).get("_id"))) for v in versions for o in v["lineage"]["origins"])
+
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and (len(trained(pg_model)) < n or len(trained(mongo_model)) < n):
+            time.sleep(3)
+        assert trained(pg_model) == list(range(1, n + 1)), "each row trained exactly once"
+        assert trained(mongo_model) == list(range(1, n + 1)), "each document trained exactly once"
+    finally:
+        job.kill()
+        for c in captures:
+            c.kill()
+        psql(dsn, f"SELECT pg_drop_replication_slot('streamtune_pgc_{u}')")
+
+
+def test_awkward_tables_get_clear_messages(stack_config, tmp_path):
+    """ALTER TABLE … ADD COLUMN mid-stream, and a table without a primary key: logged, captured, no crash."""
+    u = f"{time.time_ns() % 10**9:x}"
+    dsn, boot = stack_config.postgres_dsn, stack_config.kafka_bootstrap
+    keyed, keyless = f"keyed_{u}", f"keyless_{u}"
+    psql(dsn, f"CREATE TABLE {keyed} (id int PRIMARY KEY, q text); CREATE TABLE {keyless} (q text, a text)")
+    topic, offsets = f"test.cdc-awk-{u}", f"test.cdc-awk-{u}.offsets"
+    capture = CaptureProcess(f"{dsn}?table={keyed}&table={keyless}", f"awk-{u}", topic, tmp_path / "awk.log",
+                             boot, offsets).start()
+    try:
+        capture.wait_for_log("created replication slot")
+        psql(dsn, f"INSERT INTO {keyed} VALUES (1, 'before')")
+        psql(dsn, f"ALTER TABLE {keyed} ADD COLUMN label text DEFAULT 'new'")
+        psql(dsn, f"INSERT INTO {keyed} VALUES (2, 'after', 'x')")
+        psql(dsn, f"UPDATE {keyed} SET q = 'changed' WHERE id = 1")
+        psql(dsn, f"INSERT INTO {keyless} VALUES ('p', 'c'), ('p', 'c')")
+        # The application's UPDATE on the keyless table still works (we publish only its inserts).
+        psql(dsn, f"UPDATE {keyless} SET a = 'c2'")
+        events = [json.loads(r.value) for r in read_topic(boot, topic, expect=5, timeout=30)]
+        assert capture.alive()
+        assert [e["after"] for e in events if e["source"]["table"] == keyed] == [
+            {"id": 1, "q": "before"}, {"id": 2, "q": "after", "label": "x"}, {"id": 1, "q": "changed", "label": "new"}]
+        keyless_events = [e for e in events if e["source"]["table"] == keyless]
+        assert [e["op"] for e in keyless_events] == ["c", "c"] and keyless_events[0]["key_fields"] == ["q", "a"]
+        log = capture.log()
+        assert f"table public.{keyless} has no primary key: capturing its INSERTs only" in log
+        assert f"REPLICA IDENTITY FULL" in log
+        assert f"schema of public.{keyed} changed mid-stream (added ['label']" in log
+    finally:
+        capture.kill()
+        psql(dsn, f"SELECT pg_drop_replication_slot('streamtune_awk_{u}')")
+
+
+def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
+    import subprocess
+    import sys
+
+    from cdckit import REPO
+
+    u = f"{time.time_ns() % 10**9:x}"
+    result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--source",
+                             f"{stack_config.postgres_dsn}?table=no_such_{u}", "--name", f"missing-{u}",
+                             "--bootstrap", stack_config.kafka_bootstrap], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"table public.no_such_{u} does not exist" in result.stdout
+    (tmp_path / "m.yaml").write_text("mappings:\n  - table: t\n    prompt: q\n    completion: a\n")
+    result = subprocess.run([sys.executable, "-m", "jobs.cdc_retrain", "--cdc-topic", "x", "--mapping",
+                             str(tmp_path / "m.yaml")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "model_id" in result.stderr and "Field required" in result.stderr
