@@ -65,6 +65,10 @@ def build(env, args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # Parallelism 1 unless asked: a source's changes then reach the trainer in commit order,
+    # which its windows need (they close on each model's own data frontier). With more
+    # subtasks, changes of different rows can overtake each other between the two key_bys.
+    args.parallelism = args.parallelism or 1
     for topic in (*args.cdc_topic, args.config_topic, args.versions_topic, args.dlq_topic):
         create_topic(args.bootstrap, topic, args.partitions)
     env = environment(args)

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from streamtune.specs import AdapterConfig, TrainingConfig
 from streamtune.tinymodel import collate, encode_example
 
 _BASES: dict[str, "LoraTrainer"] = {}
+_BASES_LOCK = threading.Lock()
 
 
 @dataclass
@@ -57,11 +59,19 @@ class LoraTrainer:
         # adapter name -> (sha256 of the state it holds, its optimizer): skips reloading
         # keyed state that this worker itself produced at the previous step.
         self._live: dict[str, tuple[str, torch.optim.Optimizer]] = {}
+        # Subtasks of one job share this process in Flink's loopback mode (mini-cluster):
+        # one step at a time keeps the shared base, active adapter and torch's seed theirs.
+        self._lock = threading.Lock()
 
     @classmethod
     def for_base(cls, base_dir: str) -> "LoraTrainer":
         """One trainer (one copy of the base weights) per base directory and worker."""
         key = str(Path(base_dir).resolve())
+        with _BASES_LOCK:
+            return cls._load(key)
+
+    @classmethod
+    def _load(cls, key: str) -> "LoraTrainer":
         if key not in _BASES:
             if not Path(key, "config.json").exists():
                 raise FileNotFoundError(f"base model directory {key} has no config.json "
@@ -90,6 +100,11 @@ class LoraTrainer:
     # -- one step -----------------------------------------------------------------------
     def step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
              samples: list, seed: int) -> StepResult:
+        with self._lock:
+            return self._step(model_id, adapter, training, state, samples, seed)
+
+    def _step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
+              samples: list, seed: int) -> StepResult:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         started = time.perf_counter()

@@ -109,6 +109,7 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         mongo[db].reviews.insert_one({"_id": 9, "text": "review 9", "reply": {"body": "thanks 9"}})
 
         versions = wait_for_records(boot, topics["versions"], 2, 120)
+        assert job.running(), (tmp_path / "job.log").read_text()[-3000:]
         first = versions_of(versions, pg_model)[0]
         assert row_ids(first) == [1, 3, 4, 5, 6]
         by_row = {json.loads(o["row_key"].rsplit("/", 1)[1])["id"]: o for o in first["lineage"]["origins"]}
@@ -220,6 +221,7 @@ def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config
                 o["row_key"].rsplit("/", 1)[1]).get("_id"))) for v in versions for o in v["lineage"]["origins"])
 
         deadline = time.monotonic() + 180
+        assert job.running(), (tmp_path / "job.log").read_text()[-3000:]
         while time.monotonic() < deadline and (len(trained(pg_model)) < n or len(trained(mongo_model)) < n):
             time.sleep(3)
         assert trained(pg_model) == list(range(1, n + 1)), "each row trained exactly once"
