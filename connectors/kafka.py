@@ -58,3 +58,29 @@ def read_topic(bootstrap: str, topic: str, *, expect: int | None = None, timeout
         return records
     finally:
         consumer.close()
+
+
+def read_to_end(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
+    """Every record of `topic` up to the end offsets seen at the start, even while others write.
+
+    On Tansu the reported end can be short of the true end (it answers the last batch's
+    start + 1), so callers must treat the result as "at least this much", never as all.
+    """
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        if not tps:
+            return []
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        end = consumer.end_offsets(tps)
+        records, deadline = [], time.monotonic() + timeout
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic} to offsets {end} took over {timeout} s")
+            for recs in consumer.poll(timeout_ms=200).values():
+                records.extend(r for r in recs if r.offset < end[TopicPartition(r.topic, r.partition)])
+        return records
+    finally:
+        consumer.close()

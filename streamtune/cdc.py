@@ -42,7 +42,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 from kafka import KafkaProducer
 
 from connectors.debezium import lsn_text
-from connectors.kafka import create_topic, read_topic
+from connectors.kafka import create_topic, read_to_end
 
 log = logging.getLogger("streamtune.cdc")
 
@@ -90,7 +90,7 @@ def _one(q: dict, key: str) -> str | None:
 def last_offsets(bootstrap: str, offsets_topic: str, name: str) -> dict:
     """The newest position record stored for connector `name` ({} when none)."""
     found = {}
-    for record in read_topic(bootstrap, offsets_topic, idle=1.0, timeout=30):
+    for record in read_to_end(bootstrap, offsets_topic):
         if record.key == name.encode():
             found = json.loads(record.value)
     return found

@@ -50,9 +50,9 @@ class CaptureProcess:
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
 
-    def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
+    def wait_for_log(self, text: str, timeout: float = 30.0, times: int = 1) -> None:
         deadline = time.monotonic() + timeout
-        while text not in self.log():
+        while self.log().count(text) < times:
             assert time.monotonic() < deadline, f"capture never logged {text!r}:\n{self.log()[-3000:]}"
             assert self.alive(), f"capture exited:\n{self.log()[-3000:]}"
             time.sleep(0.2)
