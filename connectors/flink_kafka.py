@@ -16,12 +16,13 @@ TRANSACTION_TIMEOUT_MS = "900000"
 
 
 def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str, lateness_ms: int,
-                    idle_timeout_ms: int) -> str:
+                    idle_timeout_ms: int, consumer_properties: dict[str, str] | None = None) -> str:
     """A raw-string Kafka table (key, payload) over `topics` with source metadata and an event-time watermark.
 
     Watermarks are generated per partition at the source, from the Kafka record timestamps;
     a partition without records for `idle_timeout_ms` stops holding the watermark back.
     """
+    extra = "".join(f"'properties.{k}' = '{v}',\n            " for k, v in (consumer_properties or {}).items())
     return f"""
         CREATE TEMPORARY TABLE `{name}` (
             `key` STRING,
@@ -37,7 +38,7 @@ def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str,
             'properties.bootstrap.servers' = '{bootstrap}',
             'properties.group.id' = '{group_id}',
             'properties.isolation.level' = 'read_committed',
-            'scan.startup.mode' = 'earliest-offset',
+            {extra}'scan.startup.mode' = 'earliest-offset',
             'scan.watermark.idle-timeout' = '{idle_timeout_ms} ms',
             'key.format' = 'raw',
             'key.fields' = 'key',

@@ -34,6 +34,16 @@ from operators.row_changes import RowChangeFunction
 from operators.validate import CHANGE_TAG, DLQ_TAG, VALID_TYPE, ValidateFunction
 
 
+# Flink settings of this job (over the cluster's): see README "CDC latency".
+CDC_JOB_SETTINGS: dict[str, str] = {
+    "python.fn-execution.bundle.time": "5",
+    "python.fn-execution.bundle.size": "10",
+    "execution.buffer-timeout.interval": "5 ms",
+}
+# The broker answers a fetch with no new records after this wait.
+CDC_CONSUMER_PROPERTIES = {"fetch.max.wait.ms": "5"}
+
+
 def parse_args(argv):
     p = arg_parser("cdc_retrain", __doc__)
     p.add_argument("--cdc-topic", action="append", required=True, help="change events (repeatable)")
@@ -50,7 +60,8 @@ def parse_args(argv):
 def build(env, args) -> None:
     t_env = StreamTableEnvironment.create(env)
     t_env.execute_sql(input_table_ddl("cdc_input", [*args.cdc_topic, args.config_topic], args.bootstrap,
-                                      f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms))
+                                      f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms,
+                                      CDC_CONSUMER_PROPERTIES))
     rows = t_env.to_data_stream(t_env.from_path("cdc_input"))
     mapping: CdcMapping = args.mapping_spec
     validated = rows.process(ValidateFunction(mapping.sources, args.config_topic, args.max_record_bytes,
@@ -71,7 +82,7 @@ def main(argv=None) -> None:
     args.parallelism = args.parallelism or 1
     for topic in (*args.cdc_topic, args.config_topic, args.versions_topic, args.dlq_topic):
         create_topic(args.bootstrap, topic, args.partitions)
-    env = environment(args)
+    env = environment(args, CDC_JOB_SETTINGS)
     build(env, args)
     env.execute(args.job_name)
 

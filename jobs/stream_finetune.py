@@ -97,8 +97,10 @@ def train(trainer_input, dead_letters: list, args: argparse.Namespace) -> None:
         .name("dlq-sink").uid("dlq-sink")
 
 
-def environment(args: argparse.Namespace) -> StreamExecutionEnvironment:
+def environment(args: argparse.Namespace, settings: dict[str, str] | None = None) -> StreamExecutionEnvironment:
     conf = Configuration()
+    for key, value in (settings or {}).items():
+        conf.set_string(key, value)
     if args.checkpoint_dir:
         conf.set_string("execution.checkpointing.dir", args.checkpoint_dir)
     if args.restore_from:
