@@ -13,8 +13,10 @@
 Jobs. One Flink job per Kafka source topic T, named `streamtune-T`, reading feedback from T
 and configs from `T.configs`, writing versions to `T.versions` and dead letters to `T.dlq`.
 A spec is idempotent by (model_id, spec hash): posting the spec in force again returns 200
-with the first answer and publishes nothing. Only `kafka://` sources can be submitted now:
-`postgres://` and `mongodb://` sources get 501 (CDC capture is not implemented yet).
+with the first answer and publishes nothing. Only `kafka://` sources can be submitted here:
+`postgres://` and `mongodb://` sources get 501, because a CDC job also needs a capture
+process and a mapping file (README "CDC"): run `streamtune cdc`, submit
+`jobs/cdc_retrain.py` and publish the spec to that job's config topic.
 
 Errors from the stack (Flink cluster, Kafka, MLflow unreachable or failing) are answered
 with a documented 503 and a one-line `detail`; nothing is recorded in that case.
@@ -473,13 +475,14 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @app.post("/v1/stream-finetune", status_code=202, response_model=SubmitResponse,
               responses={200: {"model": SubmitResponse, "description": "the same spec is already in force"},
                          **AUTH_ERR, **BAD_BODY, **_err(409, "the model is registered on another source topic"),
-                         **TOO_LARGE, **_err(501, "CDC sources (postgres, mongodb) are not implemented yet"),
+                         **TOO_LARGE, **_err(501, "CDC sources (postgres, mongodb) are not submitted through the API"),
                          **STACK_ERR})
     def submit(spec: FinetuneSpec, actor: Annotated[str, Depends(require_write)]):
         topic = spec.kafka_topic
         if topic is None:
-            raise HTTPException(501, f"stream_source {spec.stream_source.split(':', 1)[0]}:// needs CDC capture, "
-                                     "which is not implemented yet; only kafka://topic=NAME sources can be submitted")
+            raise HTTPException(501, f"stream_source {spec.stream_source.split(':', 1)[0]}:// is not implemented "
+                                     "in the API: CDC sources need `streamtune cdc` and jobs/cdc_retrain.py with a "
+                                     "mapping file (README, CDC); publish the spec to that job's config topic")
         spec_hash = spec.spec_hash()
         with submit_lock:
             data = registry.load()
