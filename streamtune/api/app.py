@@ -246,7 +246,7 @@ class FeedbackAccepted(BaseModel):
 
 def to_sample(e: Union[ClickEvent, DwellEvent, CorrectionEvent]) -> dict:
     """The feedback sample (specs.FeedbackSample) an event becomes."""
-    return FeedbackSample.model_validate(_sample_fields(e)).model_dump(mode="json")
+    return FeedbackSample.model_validate(_sample_fields(e)).model_dump(mode="json", exclude={"origin"})
 
 
 def _sample_fields(e) -> dict:
