@@ -287,3 +287,61 @@ def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
     result = subprocess.run([sys.executable, "-m", "jobs.cdc_retrain", "--cdc-topic", "x", "--mapping",
                              str(tmp_path / "m.yaml")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "model_id" in result.stderr and "Field required" in result.stderr
+
+
+def test_snapshot_then_stream_and_idle_heartbeats(stack_config, tmp_path):
+    """--snapshot reads existing rows as op r; an idle slot still moves (no WAL held back)."""
+    u = f"{time.time_ns() % 10**9:x}"
+    dsn, boot = stack_config.postgres_dsn, stack_config.kafka_bootstrap
+    table, other = f"snap_{u}", f"other_{u}"
+    psql(dsn, f"CREATE TABLE {table} (id int PRIMARY KEY, q text); INSERT INTO {table} VALUES (1, 'old'), (2, 'old');"
+              f"CREATE TABLE {other} (id int)")
+    topic = f"test.cdc-snap-{u}"
+    capture = CaptureProcess(f"{dsn}?table={table}", f"snap-{u}", topic, tmp_path / "snap.log", boot,
+                             f"{topic}.offsets", "--snapshot").start()
+    slot = f"streamtune_snap_{u}"
+    try:
+        capture.wait_for_log("snapshot of")
+        psql(dsn, f"INSERT INTO {table} VALUES (3, 'new')")
+        events = [json.loads(r.value) for r in read_topic(boot, topic, expect=3, timeout=30)]
+        assert [(e["op"], e["after"]["id"], e["source"]["snapshot"]) for e in events] == [
+            ("r", 1, "true"), ("r", 2, "true"), ("c", 3, "false")]
+        confirmed = psql(dsn, f"SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}'")
+        # WAL written elsewhere only: the keepalive position is confirmed while nothing is in flight.
+        psql(dsn, f"INSERT INTO {other} SELECT generate_series(1, 1000)")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            moved = psql(dsn, f"SELECT confirmed_flush_lsn > '{confirmed.strip()}' FROM pg_replication_slots "
+                              f"WHERE slot_name = '{slot}'").strip()
+            if moved == "t":
+                break
+            time.sleep(1)
+        assert moved == "t", "an idle slot must follow the server's position"
+    finally:
+        capture.kill()
+        psql(dsn, f"SELECT pg_drop_replication_slot('{slot}')")
+
+
+def test_mongo_pre_images_and_drop_recreate(stack_config, mongo, tmp_path):
+    """Pre-images fill `before`; a dropped and recreated collection keeps being captured."""
+    u = f"{time.time_ns() % 10**9:x}"
+    boot, db = stack_config.kafka_bootstrap, f"mdrop_{u}"
+    mongo[db].create_collection("c", changeStreamPreAndPostImages={"enabled": True})
+    topic = f"test.cdc-mdrop-{u}"
+    capture = CaptureProcess(f"{stack_config.mongo_uri}&db={db}&collection=c", f"mdrop-{u}", topic,
+                             tmp_path / "m.log", boot, f"{topic}.offsets").start()
+    try:
+        capture.wait_for_log("capturing")
+        time.sleep(1)
+        mongo[db].c.insert_one({"_id": 1, "v": "a"})
+        mongo[db].c.update_one({"_id": 1}, {"$set": {"v": "b"}})
+        mongo[db].drop_collection("c")
+        capture.wait_for_log("drop event")
+        mongo[db].c.insert_one({"_id": 2, "v": "again"})
+        events = [json.loads(r.value) for r in read_topic(boot, topic, expect=3, timeout=30)]
+        assert [(e["op"], e["before"], e["after"]) for e in events] == [
+            ("c", None, {"_id": 1, "v": "a"}), ("u", {"_id": 1, "v": "a"}, {"_id": 1, "v": "b"}),
+            ("c", None, {"_id": 2, "v": "again"})]
+        assert capture.alive()
+    finally:
+        capture.kill()
