@@ -224,12 +224,17 @@ def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config
             return sorted(int(json.loads(o["row_key"].rsplit("/", 1)[1]).get("id", json.loads(
                 o["row_key"].rsplit("/", 1)[1]).get("_id"))) for v in versions for o in v["lineage"]["origins"])
 
+        def written_rows_trained(model: str) -> list[int]:  # the closer may train too, once the watermark moves
+            return [i for i in trained(model) if i <= n]
+
         deadline = time.monotonic() + 180
         assert job.running(), (tmp_path / "job.log").read_text()[-3000:]
-        while time.monotonic() < deadline and (len(trained(pg_model)) < n or len(trained(mongo_model)) < n):
+        while time.monotonic() < deadline and (len(written_rows_trained(pg_model)) < n
+                                               or len(written_rows_trained(mongo_model)) < n):
             time.sleep(3)
-        assert trained(pg_model) == list(range(1, n + 1)), "each row trained exactly once"
-        assert trained(mongo_model) == list(range(1, n + 1)), "each document trained exactly once"
+        assert written_rows_trained(pg_model) == list(range(1, n + 1)), "each row trained exactly once"
+        assert written_rows_trained(mongo_model) == list(range(1, n + 1)), "each document trained exactly once"
+        assert trained(pg_model).count(n + 1) <= 1 and trained(mongo_model).count(n + 1) <= 1
     finally:
         job.kill()
         for c in captures:
