@@ -99,8 +99,7 @@ class MongoChanges:
         if op == "d" and before is None:
             before = plain(raw["documentKey"])
         if op == "u" and after is None:
-            # updateLookup found no document: it was deleted after this update; keep the key.
-            after = None
+            # updateLookup found no document (deleted since): keep at least the key.
             before = before or plain(raw["documentKey"])
         src = mongo_source(self.name, self.db, self.collection, resume_token=raw["_id"]["_data"],
                            cluster_time=(ct.time, ct.inc), tx_number=raw.get("txnNumber"))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import pq
 
-from connectors.debezium import envelope, lsn_text, postgres_source
+from connectors.debezium import envelope, lsn_text, parse_lsn, postgres_source
 
 log = logging.getLogger("streamtune.cdc.postgres")
 
@@ -110,7 +110,6 @@ class PostgresWal:
         self.publication = publication or f"streamtune_{base}"
         self.status_interval_s = status_interval_s
         self.relations: dict[int, Relation] = {}
-        self.keyless_warned: set[str] = set()
         self.confirmed = 0
         self._repl: psycopg.Connection | None = None
         self.db = psycopg.conninfo.conninfo_to_dict(dsn).get("dbname", "")
@@ -131,11 +130,9 @@ class PostgresWal:
         if row is not None:
             if row[1] != "pgoutput":
                 raise CdcError(f"replication slot {self.slot} uses plugin {row[1]}, not pgoutput")
-            from connectors.debezium import parse_lsn
             self.confirmed = parse_lsn(row[0]) if row[0] else 0
             return False, None, self.confirmed
         res = self._exec(f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput EXPORT_SNAPSHOT')
-        from connectors.debezium import parse_lsn
         self.confirmed = parse_lsn(res.get_value(0, 1).decode())
         log.info("created replication slot %s at %s", self.slot, lsn_text(self.confirmed))
         return True, res.get_value(0, 2).decode(), self.confirmed
@@ -341,8 +338,6 @@ class PostgresWal:
             dropped = [c for c, _ in old.columns if c not in {n for n, _ in columns}]
             log.warning("schema of %s.%s changed mid-stream (added %s, dropped %s): events from LSN on carry "
                         "the new columns", schema, table, added or "none", dropped or "none")
-        if not key and f"{schema}.{table}" not in self.keyless_warned:
-            self.keyless_warned.add(f"{schema}.{table}")
         self.relations[relid] = Relation(schema, table, columns, key)
 
     def _on_change(self, tag: bytes, body: bytes, tx: Transaction, lsn: int):

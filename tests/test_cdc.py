@@ -268,7 +268,7 @@ def test_awkward_tables_get_clear_messages(stack_config, tmp_path):
         assert [e["op"] for e in keyless_events] == ["c", "c"] and keyless_events[0]["key_fields"] == ["q", "a"]
         log = capture.log()
         assert f"table public.{keyless} has no primary key: capturing its INSERTs only" in log
-        assert f"REPLICA IDENTITY FULL" in log
+        assert "REPLICA IDENTITY FULL" in log
         assert f"schema of public.{keyed} changed mid-stream (added ['label']" in log
     finally:
         capture.kill()
