@@ -39,7 +39,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from connectors.debezium import OPS, row_key, source_position_text, table_of
+from connectors.debezium import source_position_text
 
 
 class _Strict(BaseModel):
@@ -154,37 +154,6 @@ def event_source(event: dict) -> str:
     if src["connector"] == "postgresql":
         return f"postgres:{src['schema']}.{src['table']}"
     return f"mongodb:{src['db']}.{src['collection']}"
-
-
-def parse_change(payload: str | None, max_bytes: int, kafka_key: str | None) -> str:
-    """Check a change event's envelope; returns the changed row's identity or raises Invalid."""
-    from operators.validate import Invalid as BadChange
-
-    if not payload:
-        raise BadChange("empty", "change event has no value (a tombstone?)")
-    if len(payload.encode("utf-8", "surrogatepass")) > max_bytes:
-        raise BadChange("oversized", f"change event exceeds max_record_bytes={max_bytes}")
-    try:
-        event = json.loads(payload)
-    except json.JSONDecodeError as e:
-        raise BadChange("bad_json", f"not JSON: {e}") from None
-    if not isinstance(event, dict) or event.get("op") not in OPS or not isinstance(event.get("source"), dict):
-        raise BadChange("not_a_change_event", "expected a Debezium envelope {before, after, op: c|u|d|r, source}")
-    src = event["source"]
-    needed = ("db", "schema", "table", "sequence") if src.get("connector") == "postgresql" else \
-        ("db", "collection", "resume_token", "ts_ms", "ord") if src.get("connector") == "mongodb" else None
-    if needed is None or any(k not in src for k in needed):
-        raise BadChange("not_a_change_event", f"source must be postgresql {{db, schema, table, sequence}} or "
-                                              f"mongodb {{db, collection, resume_token, ts_ms, ord}}, got {sorted(src)}")
-    image = event.get("after") if event["op"] != "d" else event.get("before")
-    if event["op"] in ("c", "r") and not isinstance(image, dict):
-        raise BadChange("not_a_change_event", f"op {event['op']} needs an `after` object")
-    if kafka_key:
-        return f"{src['connector']}/{src['name'] if 'name' in src else ''}/{table_of(event)}/{kafka_key}"
-    keys = event.get("key_fields")
-    if not keys or not isinstance(image if image is not None else event.get("before"), dict):
-        raise BadChange("no_row_key", "change event without a Kafka key or key_fields: cannot tell which row changed")
-    return row_key(event, keys)
 
 
 def content_hash(row: dict | None) -> str:

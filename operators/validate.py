@@ -1,5 +1,9 @@
 """Edge validation: every input record becomes a typed record or a dead letter with a reason.
 
+Samples, specs and retrain triggers are checked against streamtune/specs.py; CDC change
+events (jobs/cdc_retrain.py) against the Debezium envelope, and leave on CHANGE_TAG keyed
+by the changed row.
+
 Counters `records_in`, `valid` and `dead_lettered` (Flink metrics of this operator)
 satisfy records_in == valid + dead_lettered at every checkpoint.
 """
@@ -11,6 +15,7 @@ import json
 from pyflink.common import Types
 from pyflink.datastream import OutputTag, ProcessFunction
 
+from connectors.debezium import OPS, row_key, table_of
 from streamtune.specs import FeedbackSample, FinetuneSpec, RetrainTrigger, ValidationError, describe_error
 
 DLQ_TAG = OutputTag("dead-letters", Types.STRING())
@@ -69,6 +74,35 @@ def parse(kind: str, payload, max_bytes: int, served: frozenset[str]):
     return kind, record.model_id
 
 
+def parse_change(payload: str | None, max_bytes: int, kafka_key: str | None) -> str:
+    """Check a change event's envelope; returns the changed row's identity or raises Invalid."""
+    if not payload:
+        raise Invalid("empty", "change event has no value (a tombstone?)")
+    if len(payload.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise Invalid("oversized", f"change event exceeds max_record_bytes={max_bytes}")
+    try:
+        event = json.loads(payload)
+    except json.JSONDecodeError as e:
+        raise Invalid("bad_json", f"not JSON: {e}") from None
+    if not isinstance(event, dict) or event.get("op") not in OPS or not isinstance(event.get("source"), dict):
+        raise Invalid("not_a_change_event", "expected a Debezium envelope {before, after, op: c|u|d|r, source}")
+    src = event["source"]
+    needed = ("db", "schema", "table", "sequence") if src.get("connector") == "postgresql" else \
+        ("db", "collection", "resume_token", "ts_ms", "ord") if src.get("connector") == "mongodb" else None
+    if needed is None or any(k not in src for k in needed):
+        raise Invalid("not_a_change_event", f"source must be postgresql {{db, schema, table, sequence}} or "
+                                              f"mongodb {{db, collection, resume_token, ts_ms, ord}}, got {sorted(src)}")
+    image = event.get("after") if event["op"] != "d" else event.get("before")
+    if event["op"] in ("c", "r") and not isinstance(image, dict):
+        raise Invalid("not_a_change_event", f"op {event['op']} needs an `after` object")
+    if kafka_key:
+        return f"{src['connector']}/{src['name'] if 'name' in src else ''}/{table_of(event)}/{kafka_key}"
+    keys = event.get("key_fields")
+    if not keys or not isinstance(image if image is not None else event.get("before"), dict):
+        raise Invalid("no_row_key", "change event without a Kafka key or key_fields: cannot tell which row changed")
+    return row_key(event, keys)
+
+
 class ValidateFunction(ProcessFunction):
     def __init__(self, served: frozenset[str], config_topic: str, max_record_bytes: int,
                  change_topics: frozenset[str] = frozenset()):
@@ -89,8 +123,6 @@ class ValidateFunction(ProcessFunction):
         self.records_in.inc()
         try:
             if kind == "change":
-                from operators.cdc_mapping import parse_change
-
                 row_key = parse_change(payload, self.max_record_bytes, row["key"])
                 self.valid.inc()
                 yield CHANGE_TAG, (row_key, payload, topic, partition, offset, ts)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from connectors.debezium import envelope, lsn_text, mongo_source, parse_lsn, position, postgres_source
-from operators.cdc_mapping import CdcMapping, Mapping, field, parse_change
-from operators.validate import Invalid
+from operators.cdc_mapping import CdcMapping, Mapping, field
+from operators.validate import Invalid, parse_change
 
 pytestmark = pytest.mark.cdc
 
