@@ -134,7 +134,8 @@ def measure(args, mode: str) -> float:
                             "--mapping", str(tmp / "mapping.json"), "--out", str(out), "--mode", mode], cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=open(tmp / "job.log", "wb"),
                            # a mini-cluster would otherwise run "process" functions as client threads
-                           env=dict(os.environ, _python_worker_execution_mode=mode))
+                           env=dict(os.environ, **({"_python_worker_execution_mode": "process"}
+                                                   if mode == "process" else {})))
     committed: dict[str, float] = {}
     try:
         captures[0].wait_for_log("created replication slot")
