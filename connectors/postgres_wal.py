@@ -197,6 +197,8 @@ class PostgresWal:
                 with conn.cursor(name=f"snap_{table}") as cur:
                     cur.execute(f'SELECT {select_list} FROM "{schema}"."{table}"')
                     for i, row in enumerate(cur):
+                        if i and i % 100_000 == 0:
+                            log.info("snapshot of %s.%s: %d rows so far", schema, table, i)
                         after = {c: typed(v, oid) for (c, oid), v in zip(cols, row)}
                         src = postgres_source(self.name, self.db, schema, table, commit_lsn=at_lsn, lsn=at_lsn,
                                               tx_id=None, commit_ts_ms=ts_ms, snapshot=True)

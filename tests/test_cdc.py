@@ -99,7 +99,8 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         bad.close()
 
         approved = ", ".join(f"({i}, '{pg_model}', 'x={i}0;y=', '{i}1', 'approved')" for i in range(1, 7))
-        psql(dsn, f"INSERT INTO {answers} VALUES {approved}, (7, '{pg_model}', 'x=7;y=', '8', 'draft')")
+        psql(dsn, f"INSERT INTO {answers} VALUES {approved}, (7, '{pg_model}', 'x=7;y=', '8', 'draft'),"
+                  f"(8, '{pg_model}', 'x=8;y=', NULL, 'approved')")  # 7 filtered out; 8 has no completion
         psql(dsn, f"UPDATE {answers} SET a = '11!' WHERE id = 1")   # supersedes row 1's first sample
         psql(dsn, f"DELETE FROM {answers} WHERE id = 2")            # retracts row 2 before it trains
         for i in range(4):
@@ -129,8 +130,10 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         assert [json.loads(r["row_key"].rsplit("/", 1)[1])["id"] for r in forced["lineage"]["retracted"]] == [3]
         assert "policy changed" in json.dumps(forced) or forced["trigger"] == "forced"
 
-        dlq = wait_for_records(boot, topics["dlq"], 1, 60)
-        assert [d["reason"] for d in dlq] == ["not_a_change_event"]
+        dlq = wait_for_records(boot, topics["dlq"], 2, 60)
+        assert sorted(d["reason"] for d in dlq) == ["not_a_change_event", "unmappable"]
+        unmappable = next(d for d in dlq if d["reason"] == "unmappable")
+        assert "'a' is missing or null" in unmappable["detail"] and json.loads(unmappable["payload"])["after"]["id"] == 8
 
         # The registrar puts them in MLflow; the lineage artifact names the LSNs and tokens.
         config = RegistrarConfig(bootstrap=boot, tracking_uri=stack_config.mlflow_uri,
