@@ -232,8 +232,8 @@ class PostgresWal:
             msg = self._read(idle_s)
             now = time.monotonic()
             if msg is None:
-                if tx is None and wal_end:
-                    yield Heartbeat(wal_end)
+                if tx is None:  # idle: let the caller flush, confirm, or stop
+                    yield Heartbeat(wal_end) if wal_end else None
             elif msg[0:1] == b"k":
                 wal_end, _, reply = struct.unpack_from("!QqB", msg, 1)
                 if tx is None:

@@ -172,7 +172,7 @@ class Capture:
                 self._send(key, event)
                 rows += 1
                 if self.unflushed >= self.max_batch:
-                    self._flush()
+                    self._flush(None)  # no position yet: an interrupted snapshot starts over
             self._flush({"commit_lsn": at, "snapshot_done": True})
             log.info("snapshot of %s: %d rows at %s", s.name, rows, lsn_text(at))
         skip = int(self.stored.get("commit_lsn", 0))
@@ -237,13 +237,15 @@ class Capture:
         self.unflushed += 1
         self.counts[event["op"]] += 1
 
-    def _flush(self, position: dict) -> None:
+    def _flush(self, position: dict | None) -> None:
         """Block until Kafka acknowledged every event sent, then record the position."""
         self.producer.flush()
+        self.unflushed = 0
+        if position is None:
+            return
         self.producer.send(self.offsets_topic, key=self.source.name,
                            value=json.dumps({"name": self.source.name, **position, "ts_ms": int(time.time() * 1000)}))
         self.producer.flush()
-        self.unflushed = 0
         self.last_stored = time.monotonic()
 
     def _progress(self, where: str) -> None:

@@ -298,7 +298,7 @@ def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
 
 
 def test_snapshot_then_stream_and_idle_heartbeats(stack_config, tmp_path):
-    """--snapshot reads existing rows as op r; an idle slot still moves (no WAL held back)."""
+    """--snapshot reads existing rows as op r; an idle slot still moves (no WAL held back); SIGTERM stops it."""
     u = f"{time.time_ns() % 10**9:x}"
     dsn, boot = stack_config.postgres_dsn, stack_config.kafka_bootstrap
     table, other = f"snap_{u}", f"other_{u}"
@@ -306,7 +306,7 @@ def test_snapshot_then_stream_and_idle_heartbeats(stack_config, tmp_path):
               f"CREATE TABLE {other} (id int)")
     topic = f"test.cdc-snap-{u}"
     capture = CaptureProcess(f"{dsn}?table={table}", f"snap-{u}", topic, tmp_path / "snap.log", boot,
-                             f"{topic}.offsets", "--snapshot").start()
+                             f"{topic}.offsets", "--snapshot", "--max-batch", "1").start()
     slot = f"streamtune_snap_{u}"
     try:
         capture.wait_for_log("snapshot of")
@@ -325,6 +325,9 @@ def test_snapshot_then_stream_and_idle_heartbeats(stack_config, tmp_path):
                 break
             time.sleep(1)
         assert moved == "t", "an idle slot must follow the server's position"
+        started = time.monotonic()
+        capture.stop()  # SIGTERM: a clean stop, promptly, even while idle
+        assert capture.proc.returncode == 0 and time.monotonic() - started < 5, capture.log()[-2000:]
     finally:
         capture.kill()
         psql(dsn, f"SELECT pg_drop_replication_slot('{slot}')")
