@@ -28,6 +28,10 @@ from typing import Any
 OPS = ("c", "u", "d", "r")
 
 
+class CdcError(Exception):
+    """A clear, user-facing reason a capture cannot run as configured (exit 2, one line)."""
+
+
 def lsn_text(lsn: int) -> str:
     """PostgreSQL's own spelling of an LSN: 16/B374D848."""
     return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"

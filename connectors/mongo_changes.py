@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass
 
 import pymongo
+import pymongo.errors
 from bson import json_util
 
-from connectors.debezium import envelope, mongo_source
+from connectors.debezium import CdcError, envelope, mongo_source
 
 log = logging.getLogger("streamtune.cdc.mongo")
 
@@ -57,6 +58,16 @@ class MongoChanges:
         self.db, self.collection, self.name, self.idle_s = db, collection, name, idle_s
 
     def stream(self, resume_token: dict | None):
+        try:
+            yield from self._stream(resume_token)
+        except pymongo.errors.OperationFailure as e:
+            if e.code in (280, 286):  # ChangeStreamFatalError, ChangeStreamHistoryLost
+                raise CdcError(f"{self.db}.{self.collection}: the stored resume token is no longer in the oplog "
+                               f"({e.details.get('errmsg', e) if e.details else e}); changes since were lost to "
+                               "this capture: start it under a new --name, and backfill if needed") from None
+            raise
+
+    def _stream(self, resume_token: dict | None):
         coll = self.client[self.db][self.collection]
         start = {"resume_after": resume_token} if resume_token else {}
         while True:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import pq
 
-from connectors.debezium import envelope, lsn_text, parse_lsn, postgres_source
+from connectors.debezium import CdcError, envelope, lsn_text, parse_lsn, postgres_source
 
 log = logging.getLogger("streamtune.cdc.postgres")
 
@@ -40,10 +40,6 @@ INT_OIDS = {20, 21, 23, 26}
 FLOAT_OIDS = {700, 701}
 BOOL_OID = 16
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
-
-
-class CdcError(Exception):
-    """A clear, user-facing reason the capture cannot run as configured."""
 
 
 class SlotBusy(CdcError):

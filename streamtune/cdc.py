@@ -270,7 +270,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_cdc(args: argparse.Namespace) -> int:
-    from connectors.postgres_wal import CdcError
+    from connectors.debezium import CdcError
     from streamtune.stack import StackConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -279,6 +279,10 @@ def cmd_cdc(args: argparse.Namespace) -> int:
         source = Source.parse(args.source, args.name)
     except ValueError as e:
         print(f"streamtune cdc: {e}")
+        return 2
+    if args.snapshot and source.kind != "postgres":
+        print("streamtune cdc: --snapshot reads existing rows of PostgreSQL tables only; MongoDB capture starts "
+              "with the changes after its first start")
         return 2
     bootstrap = args.bootstrap or StackConfig.from_env().kafka_bootstrap
     capture = Capture(source, bootstrap, args.topic or source.default_topic, args.offsets_topic,

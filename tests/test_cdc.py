@@ -291,6 +291,10 @@ def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 2
     assert f"table public.no_such_{u} does not exist" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--snapshot", "--source",
+                             f"{stack_config.mongo_uri}&db=d&collection=c"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "PostgreSQL tables only" in result.stdout
     (tmp_path / "m.yaml").write_text("mappings:\n  - table: t\n    prompt: q\n    completion: a\n")
     result = subprocess.run([sys.executable, "-m", "jobs.cdc_retrain", "--cdc-topic", "x", "--mapping",
                              str(tmp_path / "m.yaml")], cwd=REPO, capture_output=True, text=True, timeout=120)
