@@ -12,6 +12,10 @@ jobs/cdc_retrain.py runs with) and with `python.execution-mode: thread` (Python 
 TaskManager), and the ratio of the two p50s is printed.
 
     .venv/bin/python bench/cdc_latency.py [--changes 200] [--gap-ms 20] [--modes process,thread]
+
+Start from a fresh stack (`streamtune stack down && streamtune stack up`): the local broker
+(Tansu, memory storage) slows down as topics pile up, and then its acknowledgements, not the
+job, dominate the numbers.
 """
 
 from __future__ import annotations

@@ -238,14 +238,18 @@ class Capture:
         self.counts[event["op"]] += 1
 
     def _flush(self, position: dict | None) -> None:
-        """Block until Kafka acknowledged every event sent, then record the position."""
+        """Block until Kafka acknowledged every event sent, then record the position.
+
+        The position record is not waited for: the events it covers are already durable,
+        and losing it in a crash only means resuming from the previous one (repeats the
+        job drops). One round trip per batch instead of two.
+        """
         self.producer.flush()
         self.unflushed = 0
         if position is None:
             return
         self.producer.send(self.offsets_topic, key=self.source.name,
                            value=json.dumps({"name": self.source.name, **position, "ts_ms": int(time.time() * 1000)}))
-        self.producer.flush()
         self.last_stored = time.monotonic()
 
     def _progress(self, where: str) -> None:
