@@ -98,6 +98,8 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         bad.send(topics["pg"], value=b'{"op": "x"}').get(timeout=10)
         bad.close()
 
+        # Start just after a window boundary: the first changes below must share one window.
+        time.sleep((2000 - time.time() * 1000 % 2000) / 1000 + 0.05)
         approved = ", ".join(f"({i}, '{pg_model}', 'x={i}0;y=', '{i}1', 'approved')" for i in range(1, 7))
         psql(dsn, f"INSERT INTO {answers} VALUES {approved}, (7, '{pg_model}', 'x=7;y=', '8', 'draft'),"
                   f"(8, '{pg_model}', 'x=8;y=', NULL, 'approved')")  # 7 filtered out; 8 has no completion
@@ -350,6 +352,8 @@ def test_mongo_pre_images_and_drop_recreate(stack_config, mongo, tmp_path):
         time.sleep(1)
         mongo[db].c.insert_one({"_id": 1, "v": "a"})
         mongo[db].c.update_one({"_id": 1}, {"$set": {"v": "b"}})
+        # The update's post-image is looked up when the capture reads it: read it before the drop.
+        assert len(read_topic(boot, topic, expect=2, timeout=30)) == 2
         mongo[db].drop_collection("c")
         capture.wait_for_log("drop event")
         mongo[db].c.insert_one({"_id": 2, "v": "again"})
