@@ -63,9 +63,7 @@ def write_artifact(root: str, model_id: str, version_id: str, files: dict, sha25
 
 def _origin(p: Pending) -> dict:
     """The CDC origin of a pending sample (row, op, LSNs or resume token), {} for plain feedback."""
-    if '"origin"' not in p.payload:
-        return {}
-    return json.loads(p.payload).get("origin") or {}
+    return json.loads(p.payload)["origin"] if p.row_key else {}
 
 
 class FinetuneFunction(KeyedProcessFunction):
@@ -116,11 +114,12 @@ class FinetuneFunction(KeyedProcessFunction):
             yield from self._close_windows(ctx, spec, cfg, ts - self.settings.lateness_ms)
         sample = FeedbackSample.model_validate_json(body)
         pending = self.pending.value() or []
-        if sample.origin is not None:  # a newer change of the same row supersedes its untrained sample
-            pending = self._without_row(pending, sample.origin["row_key"], "samples_superseded")
+        row_key = sample.origin["row_key"] if sample.origin else ""
+        if row_key:  # a newer change of the same row supersedes its untrained sample
+            pending = self._without_row(pending, row_key, "samples_superseded")
         pending = pending + [Pending(
             sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
-            body)]
+            body, row_key)]
         if cfg is None:
             if self.grace.value() is None:
                 # Wall-clock grace: a config sent moments after the first samples always wins,
@@ -179,7 +178,7 @@ class FinetuneFunction(KeyedProcessFunction):
         self.retracted.update((self.retracted.value() or []) + [retraction["origin"]])
 
     def _without_row(self, pending: list[Pending], row_key: str, counter: str) -> list[Pending]:
-        kept = [p for p in pending if _origin(p).get("row_key") != row_key]
+        kept = [p for p in pending if p.row_key != row_key]
         self.row_counters[counter].inc(len(pending) - len(kept))
         return kept
 
@@ -251,7 +250,7 @@ class FinetuneFunction(KeyedProcessFunction):
         self.seq.update(seq)
         retracted = self.retracted.value() or []
         self.retracted.clear()
-        origins = [dict(_origin(s), sample_id=s.sample_id) for s in batch if _origin(s)]
+        origins = [dict(_origin(s), sample_id=s.sample_id) for s in batch if s.row_key]
         self.windows_fired.inc()
         a = spec.adapter_config
         # The whole operator step: state in, training, artifact out (the bench's numerator).

@@ -35,6 +35,7 @@ class Pending:
     partition: int
     offset: int
     payload: str = ""  # the original record, for the dead-letter topic
+    row_key: str = ""  # CDC samples: the changed row (a newer change or a delete replaces it)
 
     @property
     def order(self) -> tuple:
