@@ -37,13 +37,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from connectors.debezium import source_position_text
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from streamtune.specs import _Strict, describe_error, postgres_source_id
 
 
 class Condition(_Strict):
@@ -85,7 +82,7 @@ class _Target(_Strict):
     def source(self) -> str:
         """The same id as FinetuneSpec.source_id for the spec's stream_source."""
         if self.table is not None:
-            return "postgres:" + (self.table if "." in self.table else f"public.{self.table}")
+            return postgres_source_id(self.table)
         return f"mongodb:{self.collection}"
 
 
@@ -130,8 +127,6 @@ class CdcMapping(_Strict):
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not YAML/JSON: {e}") from None
         except ValidationError as e:
-            from streamtune.specs import describe_error
-
             raise ValueError(f"{path}: {describe_error(e)}") from None
 
     @property

@@ -50,9 +50,13 @@ def source_id(stream_source: str) -> str:
     if parts.scheme == "kafka":
         return "kafka:" + (parts.netloc + parts.path).split("=", 1)[1]
     if parts.scheme in ("postgres", "postgresql"):
-        table = q["table"][0]
-        return "postgres:" + (table if "." in table else f"public.{table}")
+        return postgres_source_id(q["table"][0])
     return f"mongodb:{q['db'][0]}.{q['collection'][0]}"
+
+
+def postgres_source_id(table: str) -> str:
+    """A PostgreSQL table as a source id; a bare name is in schema public."""
+    return "postgres:" + (table if "." in table else f"public.{table}")
 
 
 class FeedbackSample(_Strict):
