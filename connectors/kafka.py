@@ -35,15 +35,8 @@ def read_topic(bootstrap: str, topic: str, *, expect: int | None = None, timeout
                              isolation_level="read_committed" if read_committed else "read_uncommitted")
     try:
         deadline = time.monotonic() + timeout
-        partitions = None
-        while partitions is None and time.monotonic() < deadline:
-            partitions = consumer.partitions_for_topic(topic)
-            if partitions is None:
-                time.sleep(0.2)
-        if partitions is None:
+        if not _from_beginning(consumer, topic, deadline):
             return []
-        consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
-        consumer.seek_to_beginning()
         records, last_new = [], time.monotonic()
         while time.monotonic() < deadline:
             batch = consumer.poll(timeout_ms=200)
@@ -68,14 +61,12 @@ def read_to_end(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
     """
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        deadline = time.monotonic() + timeout
+        tps = _from_beginning(consumer, topic, deadline)
         if not tps:
             return []
-        consumer.assign(tps)
-        consumer.seek_to_beginning()
         end = consumer.end_offsets(tps)
-        records, deadline = [], time.monotonic() + timeout
+        records = []
         while any(consumer.position(tp) < end[tp] for tp in tps):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {topic} to offsets {end} took over {timeout} s")
@@ -84,3 +75,19 @@ def read_to_end(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
         return records
     finally:
         consumer.close()
+
+
+def _from_beginning(consumer: KafkaConsumer, topic: str, deadline: float) -> list[TopicPartition]:
+    """Assign every partition of `topic` at its first offset, once its metadata is known
+    (until `deadline`); [] when the topic never showed up."""
+    partitions = None
+    while partitions is None and time.monotonic() < deadline:
+        partitions = consumer.partitions_for_topic(topic)
+        if partitions is None:
+            time.sleep(0.2)
+    if partitions is None:
+        return []
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    consumer.seek_to_beginning()
+    return tps
