@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -104,13 +103,12 @@ def main() -> None:
 
 
 def measure(args, mode: str) -> float:
-    import subprocess
-
     import psycopg
     import pymongo
 
     from cdckit import CaptureProcess
     from connectors.kafka import create_topic
+    from streamtune.local_job import kill_group, spawn_logged
     from streamtune.stack import StackConfig
 
     stack = StackConfig.from_env()
@@ -134,12 +132,10 @@ def measure(args, mode: str) -> float:
                        tmp / "mongo.log", boot, f"bench.cdc-{u}.offsets", "--linger-ms", "1").start()]
     out = tmp / "arrivals.txt"
     out.touch()
-    job = subprocess.Popen([sys.executable, __file__, "--run-job", "--topics", *topics.values(), "--bootstrap", boot,
-                            "--mapping", str(tmp / "mapping.json"), "--out", str(out), "--mode", mode], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=open(tmp / "job.log", "wb"),
-                           # a mini-cluster would otherwise run "process" functions as client threads
-                           env=dict(os.environ, **({"_python_worker_execution_mode": "process"}
-                                                   if mode == "process" else {})))
+    job = spawn_logged([sys.executable, __file__, "--run-job", "--topics", *topics.values(), "--bootstrap", boot,
+                        "--mapping", str(tmp / "mapping.json"), "--out", str(out), "--mode", mode], tmp / "job.log",
+                       # a mini-cluster would otherwise run "process" functions as client threads
+                       extra_env={"_python_worker_execution_mode": "process"} if mode == "process" else None)
     committed: dict[str, float] = {}
     try:
         captures[0].wait_for_log("created replication slot")
@@ -170,7 +166,7 @@ def measure(args, mode: str) -> float:
             time.sleep(0.5)
         seen = arrivals()
     finally:
-        job.kill()
+        kill_group(job)  # the job's JVM and Python workers too
         for c in captures:
             c.kill()
         pg.execute(f"SELECT pg_drop_replication_slot('streamtune_bench_pg_{u}')")

@@ -21,6 +21,25 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
     return max(done, key=lambda p: (p.stat().st_mtime, int(p.name.split("-")[1])), default=None)
 
 
+def spawn_logged(cmd: list[str], log_file: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` from the repository in a session of its own, appending its output to `log_file`."""
+    log_file = Path(log_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        log.write(f"\n=== {' '.join(cmd)}\n".encode())
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, **(extra_env or {})})
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and everything it started (a JVM, Python workers): a crash."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
 class LocalJob:
     def __init__(self, args: list[str], checkpoint_dir: Path, log_file: Path, module: str = "jobs.stream_finetune"):
         self.args, self.checkpoint_dir, self.log_file = args, Path(checkpoint_dir), Path(log_file)
@@ -32,11 +51,7 @@ class LocalJob:
                "--checkpoint-dir", f"file://{self.checkpoint_dir}"]
         if restore_from:
             cmd += ["--restore-from", f"file://{restore_from}"]
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as log:
-            log.write(f"\n=== {' '.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=dict(os.environ))
+        self.proc = spawn_logged(cmd, self.log_file)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -44,11 +59,7 @@ class LocalJob:
     def kill(self) -> None:
         """SIGKILL the whole mini-cluster (JVM, Python workers): a crash, not a shutdown."""
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+            kill_group(self.proc)
 
     def restart_from_latest(self) -> Path | None:
         chk = latest_checkpoint(self.checkpoint_dir)

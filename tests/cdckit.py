@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from streamtune.local_job import kill_group, spawn_logged
 
 
 class CaptureProcess:
@@ -23,18 +21,13 @@ class CaptureProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "CaptureProcess":
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as log:
-            log.write(f"\n=== {' '.join(self.cmd)}\n".encode())
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=dict(os.environ))
+        self.proc = spawn_logged(self.cmd, self.log_file)
         return self
 
     def kill(self) -> None:
         """SIGKILL: no flush, no confirmation, no goodbye to the server."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+            kill_group(self.proc)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -284,7 +284,7 @@ def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
     import subprocess
     import sys
 
-    from cdckit import REPO
+    from streamtune.local_job import REPO
 
     u = f"{time.time_ns() % 10**9:x}"
     result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--source",
