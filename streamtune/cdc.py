@@ -183,7 +183,7 @@ class Capture:
                     for key, event in item.events:
                         self._send(key, event)
                     pending_end, pending_commit = item.end_lsn, item.commit_lsn
-                    if self.unflushed < self.max_batch and time.monotonic() - self.first_unflushed < self.linger_s:
+                    if self._batch_open():
                         continue
                 if pending_end:
                     self._flush({"commit_lsn": pending_commit, "snapshot_done": True})
@@ -210,7 +210,7 @@ class Capture:
                 if isinstance(item, Change):
                     self._send(["_id"], item.event)
                     last = item.token
-                    if self.unflushed < self.max_batch and time.monotonic() - self.first_unflushed < self.linger_s:
+                    if self._batch_open():
                         continue
                 elif item is not None:
                     last = item.token
@@ -226,6 +226,10 @@ class Capture:
             changes.close()
 
     # -- Kafka ------------------------------------------------------------------------
+    def _batch_open(self) -> bool:
+        """More events may join the unflushed batch: under --max-batch and --linger-ms."""
+        return self.unflushed < self.max_batch and time.monotonic() - self.first_unflushed < self.linger_s
+
     def _send(self, key_fields: list[str], event: dict) -> None:
         if self.unflushed == 0:
             self.first_unflushed = time.monotonic()
