@@ -53,10 +53,6 @@ class Relation:
     columns: list[tuple[str, int]]      # (name, type oid)
     key: list[str]                      # primary key (or replica identity) columns
 
-    @property
-    def qualified(self) -> str:
-        return f"{self.schema}.{self.table}"
-
 
 @dataclass
 class Transaction:
