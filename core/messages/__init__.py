@@ -1,0 +1,28 @@
+"""One pydantic model per wire message; producers build them, consumers parse them.
+
+| message                  | topic (default)              | producer                       | module        |
+|--------------------------|------------------------------|--------------------------------|---------------|
+| FeedbackSample           | streamtune.feedback          | apps, API, CDC mapping          | feedback      |
+| FinetuneSpec             | streamtune.configs           | API, users                      | spec          |
+| RetrainTrigger           | streamtune.configs           | SQL, CDC trigger rules          | trigger       |
+| VersionRecord            | streamtune.versions          | the trainer (exactly-once)      | version       |
+| DeadLetter               | streamtune.dlq               | validation, trainer, CDC        | dead_letter   |
+| AdapterVersionBroadcast  | streamtune.adapter-versions  | the registrar                   | broadcast     |
+| ChangeEnvelope           | streamtune.cdc.<name>        | `streamtune cdc`, Debezium      | change        |
+
+`sql/ddl.sql` declares the same fields as Flink SQL tables (tests/test_contracts.py checks it).
+"""
+
+from core.messages.base import MODEL_ID, Message, describe_error, is_model_id
+from core.messages.broadcast import AdapterVersionBroadcast
+from core.messages.change import ChangeEnvelope, ChangeOrigin, ChangeSource, Retraction
+from core.messages.dead_letter import DeadLetter, SourcePosition
+from core.messages.feedback import FeedbackSample
+from core.messages.spec import AdapterConfig, FinetuneSpec, TrainingConfig, TriggerPolicy
+from core.messages.trigger import RetrainTrigger
+from core.messages.version import Lineage, OffsetRange, VersionMetrics, VersionRecord
+
+__all__ = ["MODEL_ID", "Message", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
+           "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample",
+           "AdapterConfig", "FinetuneSpec", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
+           "OffsetRange", "VersionMetrics", "VersionRecord"]

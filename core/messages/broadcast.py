@@ -1,0 +1,29 @@
+"""Adapter-version broadcast: a version is registered in MLflow and can be loaded.
+
+Published by the registrar to the adapter-versions topic (key: model_id) after the model
+version exists; sent again for a version whose broadcast was never confirmed, so readers
+are idempotent by version_id.
+
+>>> b = AdapterVersionBroadcast(version_id="bot@1#0:0-0:1", model_id="bot", seq=1, mlflow_version=3,
+...     model_uri="models:/bot/3", sha256="0" * 64, artifact_uri="mlflow-artifacts:/1/r/artifacts/adapter",
+...     aliases=["candidate", "champion"])
+>>> AdapterVersionBroadcast.from_json(b.to_json()).aliases
+['candidate', 'champion']
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from core.messages.base import MODEL_ID, Message
+
+
+class AdapterVersionBroadcast(Message):
+    version_id: str
+    model_id: str = Field(pattern=MODEL_ID)
+    seq: int = Field(ge=1)
+    mlflow_version: int = Field(ge=1)
+    model_uri: str                       # models:/<model_id>/<mlflow_version>
+    sha256: str
+    artifact_uri: str
+    aliases: list[str]
