@@ -27,7 +27,8 @@ from jobkit import job_args, job_topics, spec  # noqa: E402
 from streamtune.feedback import digit_samples, send_config, send_samples  # noqa: E402
 from streamtune.local_job import LocalJob  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
-from streamtune.tinymodel import build_tiny_llama, collate, digit_pairs, encode_example  # noqa: E402
+from core.batching import collate, encode_example  # noqa: E402
+from streamtune.tinymodel import build_tiny_llama, digit_pairs  # noqa: E402
 
 T0 = 1_770_000_000_000
 TRAINING = {"lr": 0.01, "micro_batch_size": 32, "epochs": 2}

@@ -27,7 +27,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from streamtune.specs import AdapterConfig, TrainingConfig
-from streamtune.tinymodel import collate, encode_example
+from core.batching import collate, encode_example
 
 _BASES: dict[str, "LoraTrainer"] = {}
 _BASES_LOCK = threading.Lock()

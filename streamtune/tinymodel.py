@@ -14,11 +14,12 @@ Example (runs in a few seconds on CPU)::
     from pathlib import Path
 
     import torch
+
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from streamtune.tinymodel import (build_tiny_llama, collate, digit_pairs,
-                                      encode_example, exact_match)
+    from core.batching import collate, encode_example
+    from streamtune.tinymodel import build_tiny_llama, digit_pairs, exact_match
 
     torch.set_num_threads(1)
     out = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny")
@@ -53,7 +54,6 @@ import torch
 
 MARKER = "streamtune-tiny.json"
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-IGNORE_INDEX = -100
 
 # ---------------------------------------------------------------------------- digit task
 
@@ -182,33 +182,6 @@ def build_tiny_llama(out_dir: Path, *, vocab_size: int = 512, hidden_size: int =
 
 
 # ---------------------------------------------------------------------------- data
-
-
-def encode_example(tokenizer, prompt: str, completion: str, max_len: int) -> dict[str, list[int]]:
-    """Token ids of prompt + completion + eos, with labels -100 on the prompt tokens.
-
-    The prompt is encoded with the tokenizer's special tokens (a leading ``<s>`` for the
-    tiny Llama), the completion without; both lists are truncated to ``max_len``.
-    """
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    completion_ids = completion_ids + [tokenizer.eos_token_id]
-    input_ids = (prompt_ids + completion_ids)[:max_len]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + completion_ids)[:max_len]
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def collate(examples: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad encoded examples into ``input_ids``, ``attention_mask`` and ``labels``."""
-    width = max(len(e["input_ids"]) for e in examples)
-    input_ids, attention_mask, labels = [], [], []
-    for e in examples:
-        pad = width - len(e["input_ids"])
-        input_ids.append(list(e["input_ids"]) + [pad_id] * pad)
-        attention_mask.append([1] * len(e["input_ids"]) + [0] * pad)
-        labels.append(list(e["labels"]) + [IGNORE_INDEX] * pad)
-    return {"input_ids": torch.tensor(input_ids), "attention_mask": torch.tensor(attention_mask),
-            "labels": torch.tensor(labels)}
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from streamtune.tinymodel import (  # noqa: E402
-    MARKER, build_tiny_llama, collate, digit_completion, digit_pairs, digit_prompt,
-    encode_example, exact_match)
+    MARKER, build_tiny_llama, digit_completion, digit_pairs, digit_prompt, exact_match)
+from core.batching import collate, encode_example  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,70 @@
+"""Paths, addresses and topic names used when nothing else is given.
+
+The same rules as the local stack (`streamtune stack`, README "The local default stack"),
+so a job started with no options finds what `streamtune stack up` started:
+
+| value            | environment variable                      | default                          |
+|------------------|-------------------------------------------|----------------------------------|
+| home             | STREAMTUNE_HOME                           | /var/lib/streamtune as root, else ~/.local/state/streamtune |
+| data dir         | STREAMTUNE_DATA_DIR                       | <home>/data                      |
+| Kafka bootstrap  | STREAMTUNE_KAFKA_BOOTSTRAP, else STREAMTUNE_HOST:STREAMTUNE_KAFKA_PORT | 127.0.0.1:9092 |
+| base model       |                                           | <data dir>/models/tiny-llama     |
+| artifact dir     |                                           | <data dir>/adapters              |
+| tokenizer catalogue | STREAMTUNE_TOKENIZER_CATALOGUE         | <data dir>/tokenizers            |
+
+>>> kafka_bootstrap({"STREAMTUNE_HOST": "10.0.0.5", "STREAMTUNE_KAFKA_PORT": "19092"})
+'10.0.0.5:19092'
+>>> str(data_dir({"STREAMTUNE_HOME": "/srv/st"}))
+'/srv/st/data'
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+FEEDBACK_TOPIC = "streamtune.feedback"
+CONFIG_TOPIC = "streamtune.configs"
+VERSIONS_TOPIC = "streamtune.versions"
+DLQ_TOPIC = "streamtune.dlq"
+ADAPTER_VERSIONS_TOPIC = "streamtune.adapter-versions"
+CDC_OFFSETS_TOPIC = "streamtune.cdc-offsets"
+
+
+def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def home(env: Mapping[str, str] | None = None) -> Path:
+    value = _env(env).get("STREAMTUNE_HOME")
+    if value:
+        return Path(value).expanduser().resolve()
+    # PostgreSQL runs as `postgres` and must reach its data directory: not under /root.
+    if os.geteuid() == 0:
+        return Path("/var/lib/streamtune")
+    return Path.home() / ".local" / "state" / "streamtune"
+
+
+def data_dir(env: Mapping[str, str] | None = None) -> Path:
+    value = _env(env).get("STREAMTUNE_DATA_DIR")
+    return Path(value).expanduser().resolve() if value else home(env) / "data"
+
+
+def kafka_bootstrap(env: Mapping[str, str] | None = None) -> str:
+    e = _env(env)
+    return e.get("STREAMTUNE_KAFKA_BOOTSTRAP") or \
+        f"{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_KAFKA_PORT', '9092')}"
+
+
+def base_model_dir(env: Mapping[str, str] | None = None) -> Path:
+    return data_dir(env) / "models" / "tiny-llama"
+
+
+def artifact_dir(env: Mapping[str, str] | None = None) -> Path:
+    return data_dir(env) / "adapters"
+
+
+def tokenizer_catalogue_dir(env: Mapping[str, str] | None = None) -> Path:
+    value = _env(env).get("STREAMTUNE_TOKENIZER_CATALOGUE")
+    return Path(value).expanduser() if value else data_dir(env) / "tokenizers"
