@@ -27,7 +27,9 @@ import pymongo
 import pymongo.errors
 from bson import json_util
 
-from connectors.debezium import CdcError, envelope, mongo_source
+from core.errors import CaptureError
+from core.messages import ChangeEnvelope, ChangeSource
+from core.sources.mongodb import MongoSource
 
 log = logging.getLogger("streamtune.cdc.mongo")
 
@@ -38,7 +40,7 @@ INVALIDATING = {"drop", "rename", "dropDatabase"}
 @dataclass
 class Change:
     token: dict
-    event: dict
+    event: ChangeEnvelope
 
 
 @dataclass
@@ -62,7 +64,7 @@ class MongoChanges:
             yield from self._stream(resume_token)
         except pymongo.errors.OperationFailure as e:
             if e.code in (280, 286):  # ChangeStreamFatalError, ChangeStreamHistoryLost
-                raise CdcError(f"{self.db}.{self.collection}: the stored resume token is no longer in the oplog "
+                raise CaptureError(f"{self.db}.{self.collection}: the stored resume token is no longer in the oplog "
                                f"({e.details.get('errmsg', e) if e.details else e}); changes since were lost to "
                                "this capture: start it under a new --name, and backfill if needed") from None
             raise
@@ -102,7 +104,7 @@ class MongoChanges:
             # start_after (not resume_after) is what MongoDB accepts after an invalidate.
             start = {"start_after": invalidated}
 
-    def _event(self, raw: dict) -> dict:
+    def _event(self, raw: dict) -> ChangeEnvelope:
         op = OPS[raw["operationType"]]
         ct = raw["clusterTime"]
         before = plain(raw.get("fullDocumentBeforeChange"))
@@ -112,9 +114,44 @@ class MongoChanges:
         if op == "u" and after is None:
             # updateLookup found no document (deleted since): keep at least the key.
             before = before or plain(raw["documentKey"])
-        src = mongo_source(self.name, self.db, self.collection, resume_token=raw["_id"]["_data"],
-                           cluster_time=(ct.time, ct.inc), tx_number=raw.get("txnNumber"))
-        return envelope(op, before, after, src, int(time.time() * 1000))
+        src = MongoSource.change_source(self.name, self.db, self.collection, resume_token=raw["_id"]["_data"],
+                                        cluster_time=(ct.time, ct.inc), tx_number=raw.get("txnNumber"))
+        return ChangeEnvelope(op=op, before=before, after=after, source=ChangeSource.model_validate(src),
+                              ts_ms=int(time.time() * 1000), key_fields=["_id"])
 
     def close(self) -> None:
         self.client.close()
+
+
+class MongoCapture:
+    """The capture loop of one collection (`streamtune cdc`): changes to `sink`, then the token."""
+
+    retryable = (pymongo.errors.ConnectionFailure,)  # resumed from the last stored token
+
+    def __init__(self, source: MongoSource, linger_s: float):
+        self.source, self.linger_s = source, linger_s
+
+    def run(self, sink) -> None:
+        s = self.source
+        changes = MongoChanges(s.connection_uri, s.db, s.collection, name=s.name, idle_s=self.linger_s)
+        token = sink.stored.get("resume_token")
+        last = token
+        try:
+            for item in changes.stream(token):
+                if isinstance(item, Change):
+                    sink.send(item.event)
+                    last = item.token
+                    if sink.batch_open():
+                        continue
+                elif item is not None:
+                    last = item.token
+                # Events waiting: flush now. Only an idle token moved: store it now and then.
+                if last is not None and last != token and (
+                        sink.unflushed or time.monotonic() - sink.last_stored >= 1.0):
+                    sink.flush({"resume_token": last})
+                    token = last
+                sink.progress(f"token {json.dumps(token)[:60] if token else 'none'}")
+                if sink.stopping:
+                    break
+        finally:
+            changes.close()

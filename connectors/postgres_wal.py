@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import pq
 
-from connectors.debezium import CdcError, envelope, lsn_text, parse_lsn, postgres_source
+from core.errors import CaptureError
+from core.messages import ChangeEnvelope, ChangeSource
+from core.sources.postgres import PostgresSource, lsn_text, parse_lsn
 
 log = logging.getLogger("streamtune.cdc.postgres")
 
@@ -42,7 +44,7 @@ BOOL_OID = 16
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
 
 
-class SlotBusy(CdcError):
+class SlotBusy(CaptureError):
     """Another connection holds the slot (often the walsender of a client that just died)."""
 
 
@@ -60,7 +62,7 @@ class Transaction:
     commit_lsn: int
     end_lsn: int
     commit_ts_ms: int
-    events: list[tuple[list[str], dict]] = field(default_factory=list)  # (key columns, envelope)
+    events: list[ChangeEnvelope] = field(default_factory=list)
 
 
 @dataclass
@@ -86,7 +88,7 @@ def qualify(table: str) -> tuple[str, str]:
     schema = schema or "public"
     for part in (schema, name):
         if not IDENT.fullmatch(part):
-            raise CdcError(f"table name {table!r}: use plain identifiers (schema.table)")
+            raise CaptureError(f"table name {table!r}: use plain identifiers (schema.table)")
     return schema, name
 
 
@@ -121,7 +123,7 @@ class PostgresWal:
         self._repl = psycopg.connect(self.dsn, replication="database", autocommit=True)
         if row is not None:
             if row[1] != "pgoutput":
-                raise CdcError(f"replication slot {self.slot} uses plugin {row[1]}, not pgoutput")
+                raise CaptureError(f"replication slot {self.slot} uses plugin {row[1]}, not pgoutput")
             self.confirmed = parse_lsn(row[0]) if row[0] else 0
             return False, None, self.confirmed
         res = self._exec(f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput EXPORT_SNAPSHOT')
@@ -142,7 +144,7 @@ class PostgresWal:
                 "AND i.indisprimary) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
                 "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')", (schema, table)).fetchone()
             if row is None:
-                raise CdcError(f"table {schema}.{table} does not exist in database {self.db!r}")
+                raise CaptureError(f"table {schema}.{table} does not exist in database {self.db!r}")
             identity, has_pk = row
             full = identity == "f"
             self.keyed[f"{schema}.{table}"] = has_pk or full or identity == "i"
@@ -192,10 +194,11 @@ class PostgresWal:
                         if i and i % 100_000 == 0:
                             log.info("snapshot of %s.%s: %d rows so far", schema, table, i)
                         after = {c: typed(v, oid) for (c, oid), v in zip(cols, row)}
-                        src = postgres_source(self.name, self.db, schema, table, commit_lsn=at_lsn, lsn=at_lsn,
-                                              tx_id=None, commit_ts_ms=ts_ms, snapshot=True)
-                        src["tx_index"] = i
-                        yield key, envelope("r", None, after, src, ts_ms)
+                        src = PostgresSource.change_source(
+                            self.name, self.db, schema, table, commit_lsn=at_lsn, lsn=at_lsn, tx_index=i,
+                            tx_id=None, commit_ts_ms=ts_ms, snapshot=True)
+                        yield ChangeEnvelope(op="r", after=after, source=ChangeSource.model_validate(src),
+                                             ts_ms=ts_ms, key_fields=key)
             conn.rollback()
 
     @staticmethod
@@ -278,7 +281,7 @@ class PostgresWal:
     def _exec(self, sql: str):
         res = self._repl.pgconn.exec_(sql.encode())
         if res.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-            raise CdcError(f"{sql}: {res.error_message.decode(errors='replace').strip()}")
+            raise CaptureError(f"{sql}: {res.error_message.decode(errors='replace').strip()}")
         return res
 
     def _send(self, sql: str) -> None:
@@ -287,7 +290,7 @@ class PostgresWal:
         res = pg.get_result()
         if res.status != pq.ExecStatus.COPY_BOTH:
             message = res.error_message.decode(errors="replace").strip()
-            raise (SlotBusy if "is active for PID" in message else CdcError)(f"{sql}: {message}")
+            raise (SlotBusy if "is active for PID" in message else CaptureError)(f"{sql}: {message}")
 
     def _read(self, timeout: float) -> bytes | None:
         pg = self._repl.pgconn
@@ -356,11 +359,11 @@ class PostgresWal:
             if kind == b"K":
                 before = {k: v for k, v in before.items() if k in rel.key}
             op = "d"
-        src = postgres_source(self.name, self.db, rel.schema, rel.table, commit_lsn=tx.commit_lsn, lsn=lsn,
-                              tx_id=tx.xid, commit_ts_ms=tx.commit_ts_ms, snapshot=False)
-        src["tx_index"] = len(tx.events)
-        key = rel.key or [c for c, _ in rel.columns]
-        return key, envelope(op, before, after, src, int(time.time() * 1000))
+        src = PostgresSource.change_source(
+            self.name, self.db, rel.schema, rel.table, commit_lsn=tx.commit_lsn, lsn=lsn, tx_index=len(tx.events),
+            tx_id=tx.xid, commit_ts_ms=tx.commit_ts_ms, snapshot=False)
+        return ChangeEnvelope(op=op, before=before, after=after, source=ChangeSource.model_validate(src),
+                              ts_ms=int(time.time() * 1000), key_fields=rel.key or [c for c, _ in rel.columns])
 
     @staticmethod
     def _tuple(body: bytes, pos: int, rel: Relation) -> tuple[dict, int]:
@@ -386,3 +389,54 @@ class PostgresWal:
 def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
     end = buf.index(b"\0", pos)
     return buf[pos:end].decode(), end + 1
+
+
+class PostgresCapture:
+    """The capture loop of one table set (`streamtune cdc`): a transaction's changes to `sink`,
+    then the slot confirmed once the sink has them durably."""
+
+    retryable = (SlotBusy, psycopg.OperationalError)  # resumed from the last durable position
+
+    def __init__(self, source: PostgresSource, linger_s: float):
+        self.source, self.linger_s = source, linger_s
+
+    def run(self, sink) -> None:
+        s = self.source
+        wal = PostgresWal(s.dsn, list(s.tables), name=s.name, slot=s.slot, publication=s.publication)
+        created, snapshot_name, at = wal.prepare()
+        if sink.snapshot and not created and not sink.stored.get("snapshot_done"):
+            # A snapshot cut short by a crash cannot be resumed: start over with a new slot.
+            log.warning("snapshot of %s did not complete before: recreating slot %s", s.name, wal.slot)
+            wal.close()
+            wal.drop_slot()
+            created, snapshot_name, at = wal.prepare()
+        if sink.snapshot and created:
+            rows = 0
+            for event in wal.snapshot(snapshot_name, at):
+                sink.send(event)
+                rows += 1
+                if sink.unflushed >= sink.max_batch:
+                    sink.flush(None)  # no position yet: an interrupted snapshot starts over
+            sink.flush({"commit_lsn": at, "snapshot_done": True})
+            log.info("snapshot of %s: %d rows at %s", s.name, rows, lsn_text(at))
+        skip = int(sink.stored.get("commit_lsn", 0))
+        pending_end, pending_commit = 0, 0
+        try:
+            for item in wal.stream(skip_through=skip, idle_s=self.linger_s):
+                if isinstance(item, Transaction):
+                    for event in item.events:
+                        sink.send(event)
+                    pending_end, pending_commit = item.end_lsn, item.commit_lsn
+                    if sink.batch_open():
+                        continue
+                if pending_end:
+                    sink.flush({"commit_lsn": pending_commit, "snapshot_done": True})
+                    wal.confirm(pending_end)
+                    pending_end = 0
+                elif isinstance(item, Heartbeat):
+                    wal.confirm(item.wal_end)
+                sink.progress(f"last commit {lsn_text(max(pending_commit, skip))}")
+                if sink.stopping:
+                    break
+        finally:
+            wal.close()

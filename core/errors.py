@@ -51,3 +51,7 @@ class ServiceUnavailable(StreamtuneError):
     """A service (Kafka, MLflow, Flink, a database) is unreachable or failing."""
 
     exit_code = EXIT_UNAVAILABLE
+
+
+class CaptureError(StreamtuneError):
+    """A change capture cannot run as configured (missing table, lost resume token, ...)."""

@@ -31,60 +31,22 @@ stored token.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
-import re
 import signal
+import sys
 import time
-from dataclasses import dataclass
-from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from kafka import KafkaProducer
 
-from connectors.debezium import lsn_text
 from connectors.kafka import create_topic, read_to_end
+from core import defaults
+from core.errors import CaptureError, StreamtuneError
+from core.messages import ChangeEnvelope
+from core.sources import SourceKind, source_for
 
 log = logging.getLogger("streamtune.cdc")
-
-
-@dataclass(frozen=True)
-class Source:
-    kind: str                 # "postgres" | "mongodb"
-    uri: str                  # the connection string the driver gets
-    name: str
-    tables: tuple[str, ...] = ()
-    db: str = ""
-    collection: str = ""
-    slot: str | None = None
-    publication: str | None = None
-
-    @classmethod
-    def parse(cls, url: str, name: str | None = None) -> "Source":
-        parts = urlsplit(url)
-        q = parse_qs(parts.query)
-        rest = urlencode({k: v for k, v in q.items()
-                          if k not in ("table", "slot", "publication", "db", "collection")}, doseq=True)
-        uri = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
-        if parts.scheme in ("postgres", "postgresql"):
-            if not q.get("table"):
-                raise ValueError("postgres sources need ?table=NAME (repeat for more tables)")
-            db = parts.path.lstrip("/") or "postgres"
-            return cls("postgres", uri.replace("postgres://", "postgresql://", 1), name or f"pg-{db}",
-                       tuple(q["table"]), db=db, slot=_one(q, "slot"), publication=_one(q, "publication"))
-        if parts.scheme == "mongodb":
-            if not q.get("db") or not q.get("collection"):
-                raise ValueError("mongodb sources need ?db=NAME&collection=NAME")
-            db, coll = q["db"][0], q["collection"][0]
-            return cls("mongodb", uri, name or f"mongo-{db}-{coll}", db=db, collection=coll)
-        raise ValueError(f"unsupported CDC source {url!r}: use postgres://… or mongodb://…")
-
-    @property
-    def default_topic(self) -> str:
-        return "streamtune.cdc." + re.sub(r"[^A-Za-z0-9._-]", "_", self.name)
-
-
-def _one(q: dict, key: str) -> str | None:
-    return q[key][0] if key in q else None
 
 
 def last_offsets(bootstrap: str, offsets_topic: str, name: str) -> dict:
@@ -96,19 +58,23 @@ def last_offsets(bootstrap: str, offsets_topic: str, name: str) -> dict:
     return found
 
 
-def _retryable() -> tuple:
-    import psycopg
-    import pymongo.errors
-
-    from connectors.postgres_wal import SlotBusy
-
-    return (SlotBusy, ConnectionError, psycopg.OperationalError, pymongo.errors.ConnectionFailure)
+def capture_loop(source: SourceKind, linger_s: float):
+    """The source kind's capture loop (core.sources: `capture = "module:Class"`)."""
+    if source.capture is None:
+        raise CaptureError(f"{source.scheme}:// sources have no change capture: they are read as they are")
+    module, _, name = source.capture.partition(":")
+    return getattr(importlib.import_module(module), name)(source, linger_s)
 
 
 class Capture:
-    """Source → Kafka with acknowledged writes before any position moves."""
+    """Source → Kafka with acknowledged writes before any position moves.
 
-    def __init__(self, source: Source, bootstrap: str, topic: str, offsets_topic: str,
+    The source kind's loop (connectors/) reads changes and calls back: `send` each event,
+    `flush(position)` when a consistent position is reached, `batch_open()` to ask whether
+    more may join the batch, `progress` for the log line every 10 s.
+    """
+
+    def __init__(self, source: SourceKind, bootstrap: str, topic: str, offsets_topic: str,
                  snapshot: bool = False, max_batch: int = 500, linger_ms: int = 5):
         self.source, self.bootstrap, self.topic, self.offsets_topic = source, bootstrap, topic, offsets_topic
         self.snapshot, self.max_batch, self.linger_s = snapshot, max_batch, linger_ms / 1000
@@ -118,8 +84,10 @@ class Capture:
         self.stopping = False
         self.last_stored = 0.0
 
-    def run(self) -> None:
-        retryable = _retryable()
+    def run(self, loop) -> None:
+        """Run the source kind's `loop` (see capture_loop) until SIGTERM, resuming after transient errors."""
+        # Transient: e.g. the slot still held by the walsender of a capture that just died.
+        retryable = (ConnectionError, *loop.retryable)
         for t in (self.topic, self.offsets_topic):
             create_topic(self.bootstrap, t)
         self.stored = last_offsets(self.bootstrap, self.offsets_topic, self.source.name)
@@ -135,13 +103,9 @@ class Capture:
         try:
             while not self.stopping:
                 try:
-                    if self.source.kind == "postgres":
-                        self._run_postgres()
-                    else:
-                        self._run_mongo()
+                    loop.run(self)
                     return
                 except retryable as e:
-                    # e.g. the slot is still held by the walsender of a capture that just died
                     log.warning("%s: %s; retrying in %.1f s from the last durable position",
                                 self.source.name, str(e).strip().splitlines()[0], backoff)
                     time.sleep(backoff)
@@ -153,95 +117,23 @@ class Capture:
     def _stop(self, *_):
         self.stopping = True
 
-    # -- PostgreSQL -------------------------------------------------------------------
-    def _run_postgres(self) -> None:
-        from connectors.postgres_wal import Heartbeat, PostgresWal, Transaction
-
-        s = self.source
-        wal = PostgresWal(s.uri, list(s.tables), name=s.name, slot=s.slot, publication=s.publication)
-        created, snapshot_name, at = wal.prepare()
-        if self.snapshot and not created and not self.stored.get("snapshot_done"):
-            # A snapshot cut short by a crash cannot be resumed: start over with a new slot.
-            log.warning("snapshot of %s did not complete before: recreating slot %s", s.name, wal.slot)
-            wal.close()
-            wal.drop_slot()
-            created, snapshot_name, at = wal.prepare()
-        if self.snapshot and created:
-            rows = 0
-            for key, event in wal.snapshot(snapshot_name, at):
-                self._send(key, event)
-                rows += 1
-                if self.unflushed >= self.max_batch:
-                    self._flush(None)  # no position yet: an interrupted snapshot starts over
-            self._flush({"commit_lsn": at, "snapshot_done": True})
-            log.info("snapshot of %s: %d rows at %s", s.name, rows, lsn_text(at))
-        skip = int(self.stored.get("commit_lsn", 0))
-        pending_end, pending_commit = 0, 0
-        try:
-            for item in wal.stream(skip_through=skip, idle_s=self.linger_s):
-                if isinstance(item, Transaction):
-                    for key, event in item.events:
-                        self._send(key, event)
-                    pending_end, pending_commit = item.end_lsn, item.commit_lsn
-                    if self._batch_open():
-                        continue
-                if pending_end:
-                    self._flush({"commit_lsn": pending_commit, "snapshot_done": True})
-                    wal.confirm(pending_end)
-                    pending_end = 0
-                elif isinstance(item, Heartbeat):
-                    wal.confirm(item.wal_end)
-                self._progress(f"last commit {lsn_text(max(pending_commit, skip))}")
-                if self.stopping:
-                    break
-        finally:
-            wal.close()
-
-    # -- MongoDB ----------------------------------------------------------------------
-    def _run_mongo(self) -> None:
-        from connectors.mongo_changes import Change, MongoChanges
-
-        s = self.source
-        changes = MongoChanges(s.uri, s.db, s.collection, name=s.name, idle_s=self.linger_s)
-        token = self.stored.get("resume_token")
-        last = token
-        try:
-            for item in changes.stream(token):
-                if isinstance(item, Change):
-                    self._send(["_id"], item.event)
-                    last = item.token
-                    if self._batch_open():
-                        continue
-                elif item is not None:
-                    last = item.token
-                # Events waiting: flush now. Only an idle token moved: store it now and then.
-                if last is not None and last != token and (
-                        self.unflushed or time.monotonic() - self.last_stored >= 1.0):
-                    self._flush({"resume_token": last})
-                    token = last
-                self._progress(f"token {json.dumps(token)[:60] if token else 'none'}")
-                if self.stopping:
-                    break
-        finally:
-            changes.close()
-
     # -- Kafka ------------------------------------------------------------------------
-    def _batch_open(self) -> bool:
+    def batch_open(self) -> bool:
         """More events may join the unflushed batch: under --max-batch and --linger-ms."""
         return self.unflushed < self.max_batch and time.monotonic() - self.first_unflushed < self.linger_s
 
-    def _send(self, key_fields: list[str], event: dict) -> None:
+    def send(self, event: ChangeEnvelope) -> None:
         if self.unflushed == 0:
             self.first_unflushed = time.monotonic()
-        image = event["after"] if event["after"] is not None else event["before"]
+        image = event.image or {}
         # Debezium's key: the primary key columns as a JSON object.
-        key = json.dumps({f: image.get(f) for f in key_fields}, sort_keys=True, separators=(",", ":"), default=str)
-        self.producer.send(self.topic, key=key,
-                           value=json.dumps({**event, "key_fields": key_fields}, sort_keys=True, default=str))
+        key = json.dumps({f: image.get(f) for f in event.key_fields or []}, sort_keys=True, separators=(",", ":"),
+                         default=str)
+        self.producer.send(self.topic, key=key, value=event.to_json())
         self.unflushed += 1
-        self.counts[event["op"]] += 1
+        self.counts[event.op] += 1
 
-    def _flush(self, position: dict | None) -> None:
+    def flush(self, position: dict | None) -> None:
         """Block until Kafka acknowledged every event sent, then record the position.
 
         The position record is not waited for: the events it covers are already durable,
@@ -256,7 +148,7 @@ class Capture:
                            value=json.dumps({"name": self.source.name, **position, "ts_ms": int(time.time() * 1000)}))
         self.last_stored = time.monotonic()
 
-    def _progress(self, where: str) -> None:
+    def progress(self, where: str) -> None:
         if time.monotonic() - self.last_progress >= 10:
             self.last_progress = time.monotonic()
             log.info("%s: captured %s; %s", self.source.name,
@@ -270,7 +162,7 @@ def add_parser(sub) -> None:
     p.add_argument("--topic")
     p.add_argument("--name")
     p.add_argument("--snapshot", action="store_true")
-    p.add_argument("--offsets-topic", default="streamtune.cdc-offsets")
+    p.add_argument("--offsets-topic", default=defaults.CDC_OFFSETS_TOPIC)
     p.add_argument("--max-batch", type=int, default=500)
     p.add_argument("--linger-ms", type=int, default=5)
     p.add_argument("--bootstrap")
@@ -278,26 +170,21 @@ def add_parser(sub) -> None:
 
 
 def cmd_cdc(args: argparse.Namespace) -> int:
-    from connectors.debezium import CdcError
-    from streamtune.stack import StackConfig
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     try:
-        source = Source.parse(args.source, args.name)
-    except ValueError as e:
-        print(f"streamtune cdc: {e}")
-        return 2
-    if args.snapshot and source.kind != "postgres":
-        print("streamtune cdc: --snapshot reads existing rows of PostgreSQL tables only; MongoDB capture starts "
-              "with the changes after its first start")
-        return 2
-    bootstrap = args.bootstrap or StackConfig.from_env().kafka_bootstrap
-    capture = Capture(source, bootstrap, args.topic or source.default_topic, args.offsets_topic,
-                      snapshot=args.snapshot, max_batch=args.max_batch, linger_ms=args.linger_ms)
-    try:
-        capture.run()
-    except CdcError as e:
-        print(f"streamtune cdc: {e}")
-        return 2
+        try:
+            source = source_for(args.source, args.name)
+        except ValueError as e:
+            raise CaptureError(str(e)) from None
+        if args.snapshot and not source.snapshots:
+            raise CaptureError(f"--snapshot: {source.scheme}:// sources cannot read existing rows; their capture "
+                               "starts with the changes after its first start")
+        capture = Capture(source, args.bootstrap or defaults.kafka_bootstrap(), args.topic or source.default_topic,
+                          args.offsets_topic, snapshot=args.snapshot, max_batch=args.max_batch,
+                          linger_ms=args.linger_ms)
+        capture.run(capture_loop(source, capture.linger_s))
+    except StreamtuneError as e:
+        print(f"streamtune cdc: {e}", file=sys.stderr)
+        return e.exit_code
     return 0

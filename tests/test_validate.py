@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from operators.validate import Invalid, dead_letter, parse
+from core.errors import InvalidMessage
+from core.messages import DeadLetter
+from operators.validate import dead_letter, parse
 
 SEED_SPEC = {"model_id": "llama3-8b-streaming-v2", "stream_source": "kafka://topic=user_feedback_v3",
              "adapter_config": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
@@ -13,7 +15,7 @@ SAMPLE = {"model_id": "m1", "sample_id": "s1", "prompt": "x=1234;y=", "completio
 
 
 def reason(kind, payload, max_bytes=65536):
-    with pytest.raises(Invalid) as e:
+    with pytest.raises(InvalidMessage) as e:
         parse(kind, payload, max_bytes, frozenset({"kafka:user_feedback_v3"}))
     return e.value.code, e.value.detail
 
@@ -53,9 +55,9 @@ def test_config_topic_record_with_trigger_is_a_retrain_trigger():
 
 
 def test_dead_letter_keeps_payload_reason_and_offset():
-    record = json.loads(dead_letter("bad_json", "not JSON", "{nope", "fb", 2, 41, 7, "sample"))
-    assert record["payload"] == "{nope" and record["reason"] == "bad_json"
-    assert record["source"] == {"topic": "fb", "partition": 2, "offset": 41, "timestamp": 7}
+    record = DeadLetter.from_json(dead_letter("bad_json", "not JSON", "{nope", "fb", 2, 41, 7, "sample"))
+    assert record.payload == "{nope" and record.reason == "bad_json" and record.model_id is None
+    assert record.source.model_dump() == {"topic": "fb", "partition": 2, "offset": 41, "timestamp": 7}
 
 
 def test_sql_trigger_record_with_evidence_fields_is_accepted():

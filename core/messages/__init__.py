@@ -13,7 +13,7 @@
 `sql/ddl.sql` declares the same fields as Flink SQL tables (tests/test_contracts.py checks it).
 """
 
-from core.messages.base import MODEL_ID, Message, describe_error, is_model_id
+from core.messages.base import MODEL_ID, Message, decode, describe_error, is_model_id
 from core.messages.broadcast import AdapterVersionBroadcast
 from core.messages.change import ChangeEnvelope, ChangeOrigin, ChangeSource, Retraction
 from core.messages.dead_letter import DeadLetter, SourcePosition
@@ -22,7 +22,7 @@ from core.messages.spec import AdapterConfig, FinetuneSpec, TrainingConfig, Trig
 from core.messages.trigger import RetrainTrigger
 from core.messages.version import Lineage, OffsetRange, VersionMetrics, VersionRecord
 
-__all__ = ["MODEL_ID", "Message", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
+__all__ = ["MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
            "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample",
            "AdapterConfig", "FinetuneSpec", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
            "OffsetRange", "VersionMetrics", "VersionRecord"]

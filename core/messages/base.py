@@ -53,13 +53,7 @@ class Message(BaseModel):
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> Self:
-        if raw is None or raw == "" or raw == b"":
-            raise InvalidMessage("empty", "record has no value")
-        try:
-            data = json.loads(raw)
-        except (TypeError, ValueError) as e:
-            raise InvalidMessage("bad_json", f"not JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(decode(raw))
 
     @classmethod
     def from_dict(cls, data: Any) -> Self:
@@ -69,6 +63,16 @@ class Message(BaseModel):
             return cls.model_validate(data)
         except ValidationError as e:
             raise InvalidMessage("schema", describe_error(e)) from None
+
+
+def decode(raw: str | bytes | None) -> Any:
+    """JSON text → value; InvalidMessage `empty` or `bad_json` otherwise."""
+    if raw is None or raw == "" or raw == b"":
+        raise InvalidMessage("empty", "record has no value")
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError) as e:
+        raise InvalidMessage("bad_json", f"not JSON: {e}") from None
 
 
 def describe_error(err: ValidationError) -> str:

@@ -18,6 +18,7 @@ class SourceKind:
     example: ClassVar[str]                     # shown in errors: the URI's shape
     connector: ClassVar[str | None] = None     # Debezium `source.connector` of its change events
     change_fields: ClassVar[tuple[str, ...]] = ()  # what such an event's `source` must carry
+    snapshots: ClassVar[bool] = False          # its capture can read existing rows first (--snapshot)
     # "module:Class" of its capture (`streamtune cdc`); imported only by the capture command.
     capture: ClassVar[str | None] = None
 

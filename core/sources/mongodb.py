@@ -41,6 +41,14 @@ class MongoSource(SourceKind):
         return (collection_source_id(f"{self.db}.{self.collection}"),)
 
     @classmethod
+    def change_source(cls, name: str, db: str, collection: str, *, resume_token: str,
+                      cluster_time: tuple[int, int], tx_number: int | None) -> dict[str, Any]:
+        """Debezium's MongoDB `source` block: clusterTime seconds in `ts_ms`, increment in `ord`."""
+        return {"connector": cls.connector, "name": name, "db": db, "collection": collection,
+                "resume_token": resume_token, "ord": cluster_time[1], "txnNumber": tx_number, "txId": tx_number,
+                "ts_ms": cluster_time[0] * 1000, "snapshot": "false"}
+
+    @classmethod
     def table_of(cls, source: Any) -> str:
         return f"{source.db}.{source.collection}"
 

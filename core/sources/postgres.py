@@ -59,6 +59,7 @@ class PostgresSource(SourceKind):
     connector = "postgresql"
     change_fields = ("db", "schema", "table", "sequence")
     capture = "connectors.postgres_wal:PostgresCapture"
+    snapshots = True
 
     def _parse(self, parts, name):
         tables = self.query.get("table")
@@ -81,6 +82,14 @@ class PostgresSource(SourceKind):
     @property
     def source_ids(self) -> tuple[str, ...]:
         return tuple(table_source_id(t) for t in self.tables)
+
+    @classmethod
+    def change_source(cls, name: str, db: str, schema: str, table: str, *, commit_lsn: int, lsn: int,
+                      tx_index: int, tx_id: int | None, commit_ts_ms: int, snapshot: bool) -> dict[str, Any]:
+        """Debezium's PostgreSQL `source` block (plus `tx_index`, the change's place in its transaction)."""
+        return {"connector": cls.connector, "name": name, "db": db, "schema": schema, "table": table,
+                "lsn": lsn, "sequence": json.dumps([str(commit_lsn), str(lsn)]), "tx_index": tx_index,
+                "txId": tx_id, "ts_ms": commit_ts_ms, "snapshot": "true" if snapshot else "false"}
 
     @classmethod
     def table_of(cls, source: Any) -> str:
