@@ -27,15 +27,14 @@ from mlflow.entities import Metric, Param
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException, RestException
 
+from core.errors import ArtifactIntegrityError
+from core.messages import VersionRecord
+
 log = logging.getLogger(__name__)
 
 TAG = "streamtune."
 METRICS = ("loss_before", "loss_after", "samples", "tokens", "step_seconds")
 ADAPTER_FILE = "adapter_model.safetensors"
-
-
-class ArtifactIntegrityError(ValueError):
-    """The adapter files do not match the record (missing file or sha256 mismatch)."""
 
 
 def make_client(tracking_uri: str) -> MlflowClient:
@@ -52,25 +51,25 @@ def find_version(client: MlflowClient, model_id: str, version_id: str) -> ModelV
     return min(found, key=lambda v: int(v.version))  # a racing duplicate: the first one wins
 
 
-def verify_artifacts(record: dict) -> str:
+def verify_artifacts(record: VersionRecord) -> str:
     """Check the adapter file's sha256 against the record; returns the file's path."""
-    path = os.path.join(record["artifact_dir"], ADAPTER_FILE)
+    path = os.path.join(record.artifact_dir, ADAPTER_FILE)
     if not os.path.isfile(path):
-        raise ArtifactIntegrityError(f"version {record['version_id']}: {path} does not exist")
+        raise ArtifactIntegrityError(f"version {record.version_id}: {path} does not exist")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    if digest.hexdigest() != record["sha256"].lower():
+    if digest.hexdigest() != record.sha256:
         raise ArtifactIntegrityError(
-            f"version {record['version_id']}: sha256 mismatch for {path}: "
-            f"record says {record['sha256']}, file has {digest.hexdigest()}")
+            f"version {record.version_id}: sha256 mismatch for {path}: "
+            f"record says {record.sha256}, file has {digest.hexdigest()}")
     return path
 
 
-def register_version(client: MlflowClient, record: dict) -> tuple[ModelVersion, bool]:
+def register_version(client: MlflowClient, record: VersionRecord) -> tuple[ModelVersion, bool]:
     """Register one version record; returns (model version, created). Idempotent by version_id."""
-    model_id, version_id = record["model_id"], record["version_id"]
+    model_id, version_id = record.model_id, record.version_id
     existing = find_version(client, model_id, version_id)
     if existing is not None:
         return existing, False
@@ -78,30 +77,30 @@ def register_version(client: MlflowClient, record: dict) -> tuple[ModelVersion, 
     _ensure_registered_model(client, model_id)
     experiment_id = _ensure_experiment(client, f"streamtune/{model_id}")
 
-    seq, metrics = int(record["seq"]), record["metrics"]
+    seq, metrics = record.seq, record.metrics
     now = int(time.time() * 1000)
-    metric_rows = [Metric(k, float(metrics[k]), now, seq) for k in METRICS]
-    adapter = record["adapter"]
+    metric_rows = [Metric(k, float(getattr(metrics, k)), now, seq) for k in METRICS]
+    adapter = record.adapter
     run = client.create_run(experiment_id, run_name=version_id, tags={
         f"{TAG}version_id": version_id, f"{TAG}model_id": model_id, f"{TAG}seq": str(seq)})
     run_id = run.info.run_id
     try:
         client.log_batch(run_id, metrics=metric_rows, params=[
-            Param("adapter.rank", str(adapter["rank"])),
-            Param("adapter.alpha", str(adapter["alpha"])),
-            Param("adapter.target_modules", ",".join(adapter["target_modules"])),
-            Param("adapter.dropout", str(adapter["dropout"])),
-            Param("config_version", str(record["config_version"])),
-            Param("fresh_adapter", str(bool(record["fresh_adapter"]))),
-            Param("trigger", record["trigger"]),
-            Param("base_model", record["base_model"]),
+            Param("adapter.rank", str(adapter.rank)),
+            Param("adapter.alpha", str(adapter.alpha)),
+            Param("adapter.target_modules", ",".join(adapter.target_modules)),
+            Param("adapter.dropout", str(adapter.dropout)),
+            Param("config_version", str(record.config_version)),
+            Param("fresh_adapter", str(record.fresh_adapter)),
+            Param("trigger", record.trigger),
+            Param("base_model", record.base_model),
         ])
-        client.log_artifacts(run_id, record["artifact_dir"], "adapter")
+        client.log_artifacts(run_id, record.artifact_dir, "adapter")
         with tempfile.TemporaryDirectory() as tmp:
             lineage = os.path.join(tmp, "lineage.json")
             with open(lineage, "w") as f:
-                json.dump({"version_id": version_id, "window_start": record["window_start"],
-                           "window_end": record["window_end"], **record["lineage"]}, f, indent=1)
+                json.dump({"version_id": version_id, "window_start": record.window_start,
+                           "window_end": record.window_end, **record.lineage.to_dict()}, f, indent=1)
             client.log_artifact(run_id, lineage)
     except Exception:
         client.set_terminated(run_id, "FAILED")
@@ -110,11 +109,11 @@ def register_version(client: MlflowClient, record: dict) -> tuple[ModelVersion, 
     client.log_batch(_ensure_training_run(client, experiment_id, model_id), metrics=metric_rows)
 
     tags = {
-        "version_id": version_id, "sha256": record["sha256"], "base_model": record["base_model"],
-        "window_start": record["window_start"], "window_end": record["window_end"],
-        "samples": metrics["samples"], "seq": seq, "config_version": record["config_version"],
-        "fresh_adapter": bool(record["fresh_adapter"]), "rank": adapter["rank"],
-        "target_modules": ",".join(adapter["target_modules"]), "loss_after": metrics["loss_after"],
+        "version_id": version_id, "sha256": record.sha256, "base_model": record.base_model,
+        "window_start": record.window_start, "window_end": record.window_end,
+        "samples": metrics.samples, "seq": seq, "config_version": record.config_version,
+        "fresh_adapter": record.fresh_adapter, "rank": adapter.rank,
+        "target_modules": ",".join(adapter.target_modules), "loss_after": metrics.loss_after,
     }
     # create_model_version waits (await_creation_for=300 s) until the status is READY.
     mv = client.create_model_version(model_id, f"runs:/{run_id}/adapter", run_id,
@@ -124,7 +123,7 @@ def register_version(client: MlflowClient, record: dict) -> tuple[ModelVersion, 
 
     _set_alias(client, model_id, "candidate", mv.version)
     champion = client.get_registered_model(model_id).aliases.get("champion")
-    if champion is None or float(metrics["loss_after"]) <= _loss_after(client, model_id, champion):
+    if champion is None or metrics.loss_after <= _loss_after(client, model_id, champion):
         _set_alias(client, model_id, "champion", mv.version)
     return client.get_model_version(model_id, mv.version), True
 

@@ -21,14 +21,14 @@ stream_finetune options: --config-topic, --versions-topic, --dlq-topic, --base-m
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from pyflink.common import Types
-from pyflink.table import StreamTableEnvironment
+from pyflink.datastream import StreamExecutionEnvironment
 
-from connectors.flink_kafka import input_table_ddl
-from connectors.kafka import create_topic
-from jobs.stream_finetune import arg_parser, environment, train
+from core.errors import ConfigError
+from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, train
 from operators.cdc_mapping import CdcMapping
 from operators.row_changes import RowChangeFunction
 from operators.validate import CHANGE_TAG, DLQ_TAG, VALID_TYPE, ValidateFunction
@@ -44,47 +44,38 @@ CDC_JOB_SETTINGS: dict[str, str] = {
 CDC_CONSUMER_PROPERTIES = {"fetch.max.wait.ms": "5"}
 
 
-def parse_args(argv):
-    p = arg_parser("cdc_retrain", __doc__)
-    p.add_argument("--cdc-topic", action="append", required=True, help="change events (repeatable)")
-    p.add_argument("--mapping", required=True, help="YAML or JSON mapping file (operators/cdc_mapping.py)")
-    p.add_argument("--job-name", default="streamtune-cdc-retrain")
-    args = p.parse_args(argv)
-    try:
-        args.mapping_spec = CdcMapping.load(args.mapping)
-    except (OSError, ValueError) as e:
-        p.error(f"--mapping: {e}")
-    return args
-
-
-def build(env, args) -> None:
-    t_env = StreamTableEnvironment.create(env)
-    t_env.execute_sql(input_table_ddl("cdc_input", [*args.cdc_topic, args.config_topic], args.bootstrap,
-                                      f"{args.job_name}-input", args.lateness_ms, args.idle_timeout_ms,
-                                      CDC_CONSUMER_PROPERTIES))
-    rows = t_env.to_data_stream(t_env.from_path("cdc_input"))
-    mapping: CdcMapping = args.mapping_spec
-    validated = rows.process(ValidateFunction(mapping.sources, args.config_topic, args.max_record_bytes,
-                                              change_topics=frozenset(args.cdc_topic)),
+def build(env: StreamExecutionEnvironment, job: JobConfig, cdc_topics: list[str], mapping: CdcMapping) -> None:
+    rows = kafka_rows(env, job, "cdc_input", [*cdc_topics, job.config_topic], CDC_CONSUMER_PROPERTIES)
+    validated = rows.process(ValidateFunction(mapping.sources, job.config_topic, job.max_record_bytes,
+                                              change_topics=frozenset(cdc_topics)),
                              output_type=VALID_TYPE).name("validate").uid("validate")
     mapped = (validated.get_side_output(CHANGE_TAG)
               .key_by(lambda c: c[0], key_type=Types.STRING())
               .process(RowChangeFunction(mapping), output_type=VALID_TYPE)
               .name("row-changes").uid("row-changes"))
-    train(validated.union(mapped), [validated.get_side_output(DLQ_TAG), mapped.get_side_output(DLQ_TAG)], args)
+    train(validated.union(mapped), [validated.get_side_output(DLQ_TAG), mapped.get_side_output(DLQ_TAG)], job)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="cdc_retrain", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_arguments(p)
+    p.add_argument("--cdc-topic", action="append", required=True, help="change events (repeatable)")
+    p.add_argument("--mapping", required=True, help="YAML or JSON mapping file (operators/cdc_mapping.py)")
+    p.add_argument("--job-name", default="streamtune-cdc-retrain")
+    args = p.parse_args(argv)
+    try:
+        mapping = CdcMapping.load(args.mapping)
+    except ConfigError as e:
+        p.error(f"--mapping: {e}")
     # Parallelism 1 unless asked: a source's changes then reach the trainer in commit order,
     # which its windows need (they close on each model's own data frontier). With more
     # subtasks, changes of different rows can overtake each other between the two key_bys.
-    args.parallelism = args.parallelism or 1
-    for topic in (*args.cdc_topic, args.config_topic, args.versions_topic, args.dlq_topic):
-        create_topic(args.bootstrap, topic, args.partitions)
-    env = environment(args, CDC_JOB_SETTINGS)
-    build(env, args)
-    env.execute(args.job_name)
+    job = JobConfig.from_args(args, args.job_name, parallelism=args.parallelism or 1)
+    job.create_topics(*args.cdc_topic)
+    env = environment(job, CDC_JOB_SETTINGS)
+    build(env, job, args.cdc_topic, mapping)
+    env.execute(job.job_name)
 
 
 if __name__ == "__main__":

@@ -35,15 +35,17 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, ValidationError, model_validator
 
-from connectors.debezium import source_position_text
-from streamtune.specs import _Strict, describe_error, postgres_source_id
+from core.errors import ConfigError
+from core.messages import MODEL_ID, Message, describe_error
+from core.sources.mongodb import collection_source_id
+from core.sources.postgres import table_source_id
 
 
-class Condition(_Strict):
+class Condition(Message):
     column: str = Field(min_length=1)
     op: Literal["eq", "ne", "in", "not_in", "not_null", "is_null"] = "eq"
     value: Any = None
@@ -55,9 +57,9 @@ class Condition(_Strict):
                 "not_null": lambda: v is not None, "is_null": lambda: v is None}[self.op]()
 
 
-class ModelRef(_Strict):
+class ModelRef(Message):
     column: Optional[str] = None
-    value: Optional[str] = None
+    value: Optional[str] = Field(default=None, pattern=MODEL_ID)
 
     @model_validator(mode="after")
     def _one(self) -> "ModelRef":
@@ -66,7 +68,7 @@ class ModelRef(_Strict):
         return self
 
 
-class _Target(_Strict):
+class _Target(Message):
     table: Optional[str] = None
     collection: Optional[str] = None
 
@@ -81,9 +83,7 @@ class _Target(_Strict):
     @property
     def source(self) -> str:
         """The same id as FinetuneSpec.source_id for the spec's stream_source."""
-        if self.table is not None:
-            return postgres_source_id(self.table)
-        return f"mongodb:{self.collection}"
+        return table_source_id(self.table) if self.table is not None else collection_source_id(self.collection)
 
 
 class Mapping(_Target):
@@ -101,11 +101,11 @@ class Mapping(_Target):
 
 
 class TriggerRule(_Target):
-    models: list[str] = Field(min_length=1)
+    models: list[Annotated[str, Field(pattern=MODEL_ID)]] = Field(min_length=1)
     reason: str = Field(default="source table changed", min_length=1)
 
 
-class CdcMapping(_Strict):
+class CdcMapping(Message):
     mappings: list[Mapping] = []
     triggers: list[TriggerRule] = []
 
@@ -117,17 +117,17 @@ class CdcMapping(_Strict):
 
     @classmethod
     def load(cls, path: str | Path) -> "CdcMapping":
-        """Read and validate a YAML or JSON mapping file; ValueError names what is wrong."""
+        """Read and validate a YAML or JSON mapping file; ConfigError names what is wrong."""
         import yaml
 
-        text = Path(path).read_text()
         try:
-            data = yaml.safe_load(text)
-            return cls.model_validate(data)
+            return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+        except OSError as e:
+            raise ConfigError(f"{path}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not YAML/JSON: {e}") from None
+            raise ConfigError(f"{path}: not YAML/JSON: {e}") from None
         except ValidationError as e:
-            raise ValueError(f"{path}: {describe_error(e)}") from None
+            raise ConfigError(f"{path}: {describe_error(e)}") from None
 
     @property
     def sources(self) -> frozenset[str]:
@@ -144,20 +144,6 @@ def field(row: dict, path: str) -> Any:
     return value
 
 
-def event_source(event: dict) -> str:
-    src = event["source"]
-    if src["connector"] == "postgresql":
-        return f"postgres:{src['schema']}.{src['table']}"
-    return f"mongodb:{src['db']}.{src['collection']}"
-
-
 def content_hash(row: dict | None) -> str:
     return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-
-def position_text(event: dict) -> str:
-    pos = source_position_text(event)
-    if "lsn" in pos:
-        return f"{pos['commit_lsn']}/{pos['lsn']}/{event['source'].get('tx_index', 0)}"
-    t, i = pos["cluster_time"]
-    return f"{t}.{i}"

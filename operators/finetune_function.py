@@ -10,7 +10,6 @@ when the checkpoint holding the matching state completes.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -23,9 +22,10 @@ from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction, TimeDomain
 from pyflink.datastream.state import ValueStateDescriptor
 
+from core.messages import (ChangeOrigin, FeedbackSample, FinetuneSpec, Lineage, RetrainTrigger, Retraction,
+                           VersionMetrics, VersionRecord)
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
-from streamtune.specs import FeedbackSample, FinetuneSpec, RetrainTrigger
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,9 @@ def write_artifact(root: str, model_id: str, version_id: str, files: dict, sha25
     return str(target)
 
 
-def _origin(p: Pending) -> dict:
-    """The CDC origin of a pending sample (row, op, LSNs or resume token), {} for plain feedback."""
-    return json.loads(p.payload)["origin"] if p.row_key else {}
+def _lineage_origin(p: Pending) -> ChangeOrigin:
+    """The CDC origin of a pending sample (row, op, LSNs or resume token) and its sample id."""
+    return FeedbackSample.from_json(p.payload).origin.model_copy(update={"sample_id": p.sample_id})
 
 
 class FinetuneFunction(KeyedProcessFunction):
@@ -104,17 +104,17 @@ class FinetuneFunction(KeyedProcessFunction):
             yield from self._on_trigger(body, ctx)
             return
         if kind == "retract":
-            self._on_retract(json.loads(body))
+            self._on_retract(Retraction.from_json(body))
             return
         cfg = self.config.value()
         if cfg is not None:
             # The model's own data has moved past these window ends: close them before this
             # sample joins, exactly as on every replay of the same records.
-            spec = FinetuneSpec.model_validate_json(cfg["spec"])
+            spec = FinetuneSpec.from_json(cfg["spec"])
             yield from self._close_windows(ctx, spec, cfg, ts - self.settings.lateness_ms)
-        sample = FeedbackSample.model_validate_json(body)
+        sample = FeedbackSample.from_json(body)
         pending = self.pending.value() or []
-        row_key = sample.origin["row_key"] if sample.origin else ""
+        row_key = sample.origin.row_key if sample.origin else ""
         if row_key:  # a newer change of the same row supersedes its untrained sample
             pending = self._without_row(pending, row_key, "samples_superseded")
         pending = pending + [Pending(
@@ -139,7 +139,7 @@ class FinetuneFunction(KeyedProcessFunction):
         self._ensure_window_timer(ctx, spec, pending[-1:])
 
     def _on_config(self, body: str, ctx):
-        spec = FinetuneSpec.model_validate_json(body)
+        spec = FinetuneSpec.from_json(body)
         cfg = self.config.value()
         if cfg is None or cfg["hash"] != spec.spec_hash():
             version = (cfg["version"] if cfg else 0) + 1
@@ -152,7 +152,7 @@ class FinetuneFunction(KeyedProcessFunction):
 
     def _on_trigger(self, body: str, ctx):
         """Train every pending sample now, below min_samples_per_window if need be."""
-        trigger = RetrainTrigger.model_validate_json(body)
+        trigger = RetrainTrigger.from_json(body)
         cfg, pending = self.config.value(), self.pending.value() or []
         last = self.last_trigger.value()
         if trigger.window_end is not None and last is not None and trigger.window_end <= last:
@@ -163,19 +163,19 @@ class FinetuneFunction(KeyedProcessFunction):
         if cfg is None or not pending:
             self.triggers_ignored.inc()  # nothing to train: a trigger is not a sample
             return
-        spec = FinetuneSpec.model_validate_json(cfg["spec"])
+        spec = FinetuneSpec.from_json(cfg["spec"])
         batch = sorted(pending, key=lambda s: s.order)
         end = trigger.window_end or window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
         self.pending.clear()
         self.timer.clear()
         yield self._fire(ctx.get_current_key(), spec, cfg, batch, max(end, batch[-1].ts + 1), "forced")
 
-    def _on_retract(self, retraction: dict) -> None:
+    def _on_retract(self, retraction: Retraction) -> None:
         """A deleted (or no longer matching) row: drop its untrained sample; name it in the
         next version's lineage, so consumers of replay and eval sets can drop it too."""
-        self.pending.update(self._without_row(self.pending.value() or [], retraction["row_key"],
+        self.pending.update(self._without_row(self.pending.value() or [], retraction.row_key,
                                               "samples_retracted"))
-        self.retracted.update((self.retracted.value() or []) + [retraction["origin"]])
+        self.retracted.update((self.retracted.value() or []) + [retraction.origin.to_dict()])
 
     def _without_row(self, pending: list[Pending], row_key: str, counter: str) -> list[Pending]:
         kept = [p for p in pending if p.row_key != row_key]
@@ -208,7 +208,7 @@ class FinetuneFunction(KeyedProcessFunction):
             return
         cfg = self.config.value()
         if cfg is not None:
-            yield from self._close_windows(ctx, FinetuneSpec.model_validate_json(cfg["spec"]), cfg, timestamp)
+            yield from self._close_windows(ctx, FinetuneSpec.from_json(cfg["spec"]), cfg, timestamp)
 
     def _close_windows(self, ctx, spec: FinetuneSpec, cfg: dict, up_to: int):
         """Close every window ending at or before `up_to`: fire it, or carry its samples over.
@@ -248,25 +248,18 @@ class FinetuneFunction(KeyedProcessFunction):
         seq = (self.seq.value() or 0) + 1
         self.adapter.update(result.state)
         self.seq.update(seq)
-        retracted = self.retracted.value() or []
+        retracted = [ChangeOrigin.from_dict(o) for o in self.retracted.value() or []]
         self.retracted.clear()
-        origins = [dict(_origin(s), sample_id=s.sample_id) for s in batch if s.row_key]
+        origins = [_lineage_origin(s) for s in batch if s.row_key]
         self.windows_fired.inc()
-        a = spec.adapter_config
-        # The whole operator step: state in, training, artifact out (the bench's numerator).
-        metrics = dict(result.metrics, operator_seconds=round(time.perf_counter() - started, 4))
-        return json.dumps({
-            "version_id": version_id, "model_id": model_id, "seq": seq,
-            "window_start": start, "window_end": end,
-            "artifact_dir": artifact, "sha256": result.sha256, "base_model": trainer.base_dir,
-            "config_version": cfg["version"], "fresh_adapter": result.fresh_adapter,
-            "adapter": {"rank": a.rank, "alpha": a.alpha, "target_modules": list(a.target_modules),
-                        "dropout": a.dropout},
-            "trigger_policy": spec.trigger_policy.model_dump(),
-            "metrics": metrics,
-            "lineage": {"sample_ids": [s.sample_id for s in batch], "offsets": offset_ranges(batch),
-                        **({"origins": origins} if origins else {}),
-                        **({"retracted": retracted} if retracted else {})},
-            "trigger": trigger,
-        }, sort_keys=True)
-
+        # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).
+        return VersionRecord(
+            version_id=version_id, model_id=model_id, seq=seq, window_start=start, window_end=end,
+            artifact_dir=artifact, sha256=result.sha256, base_model=trainer.base_dir,
+            config_version=cfg["version"], fresh_adapter=result.fresh_adapter,
+            adapter=spec.adapter_config, trigger_policy=spec.trigger_policy,
+            metrics=VersionMetrics(**result.metrics, operator_seconds=round(time.perf_counter() - started, 4)),
+            lineage=Lineage(sample_ids=[s.sample_id for s in batch], offsets=offset_ranges(batch),
+                            origins=origins or None, retracted=retracted or None),
+            trigger=trigger,
+        ).to_json()

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from streamtune.specs import AdapterConfig, TrainingConfig
+from core.messages import AdapterConfig, TrainingConfig
 from core.batching import collate, encode_example
 
 _BASES: dict[str, "LoraTrainer"] = {}

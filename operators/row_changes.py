@@ -2,12 +2,12 @@
 
 The capture delivers changes at least once (a crash re-sends what Kafka had not
 acknowledged), so every row keeps the source position of the last change applied to it:
-a change at or below it is a repeat and is dropped (PostgreSQL: commit LSN, change LSN,
-index in the transaction; MongoDB: clusterTime, token). A snapshot row read again after an
-interrupted snapshot is recognised by its content.
+a change at or below it is a repeat and is dropped (the order is the source kind's, see
+core.sources). A snapshot row read again after an interrupted snapshot is recognised by its
+content.
 
 Output tuples have the trainer's input shape (operators/validate.py VALID_TYPE):
-("sample", model, FeedbackSample JSON, …), ("retract", model, {row_key, …}, …) and
+("sample", model, FeedbackSample JSON, …), ("retract", model, Retraction JSON, …) and
 ("trigger", model, RetrainTrigger JSON, …). Counters: changes_in = duplicates + mapped +
 unmapped + dead_lettered.
 """
@@ -21,10 +21,10 @@ from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction
 from pyflink.datastream.state import ValueStateDescriptor
 
-from connectors.debezium import position, source_position_text, table_of
-from operators.cdc_mapping import CdcMapping, content_hash, event_source, field, position_text
+from core.errors import InvalidMessage
+from core.messages import ChangeEnvelope, ChangeOrigin, FeedbackSample, Retraction, RetrainTrigger
+from operators.cdc_mapping import CdcMapping, Mapping, content_hash, field
 from operators.validate import DLQ_TAG, dead_letter
-from streamtune.specs import FeedbackSample, ValidationError, describe_error
 
 
 def sample_id_for(row_key: str, pos_text: str) -> str:
@@ -51,53 +51,51 @@ class RowChangeFunction(KeyedProcessFunction):
 
     def process_element(self, value, ctx):
         row_key, payload, topic, partition, offset, ts = value
-        event = json.loads(payload)
+        event = ChangeEnvelope.from_json(payload)  # validated at the edge
         self.counters["changes_in"].inc()
-        pos, state = position(event), self.row.value() or {}
-        image = event["after"]
+        pos, state = event.position(), self.row.value() or {}
         if "pos" in state and tuple(state["pos"]) >= pos or (
-                event["op"] == "r" and state.get("hash") == content_hash(image)):
+                event.op == "r" and state.get("hash") == content_hash(event.after)):
             self.counters["duplicates"].inc()
             return
-        source, out, models = event_source(event), [], set()
-        origin = {"row_key": row_key, "op": event["op"], "table": table_of(event), **source_position_text(event)}
+        source, out, models = event.source_id, [], set()
+        origin = event.origin(row_key)
         where = (topic, partition, offset, ts)
         try:
             for m in self.mapping.mappings:
-                if m.source != source or event["op"] == "d" or not m.applies(image):
+                if m.source != source or event.op == "d" or not m.applies(event.after):
                     continue
-                sample = self._sample(m, image, row_key, event, origin)
+                sample = self._sample(m, event, origin)
                 models.add(sample.model_id)
-                out.append(("sample", sample.model_id, sample.model_dump_json(exclude_none=True), *where))
-        except (ValidationError, ValueError) as e:
-            detail = describe_error(e) if isinstance(e, ValidationError) else str(e)
+                out.append(("sample", sample.model_id, sample.to_json(), *where))
+        except (InvalidMessage, ValueError) as e:
             self.counters["dead_lettered"].inc()
-            yield DLQ_TAG, dead_letter("unmappable", f"{row_key}: {detail}", payload, topic, partition, offset, ts,
+            yield DLQ_TAG, dead_letter("unmappable", f"{row_key}: {e}", payload, topic, partition, offset, ts,
                                        "change")
             return
         for model in sorted(set(state.get("models", [])) - models):
-            body = json.dumps({"row_key": row_key, "origin": origin}, sort_keys=True)
-            out.append(("retract", model, body, *where))
+            out.append(("retract", model, Retraction(row_key=row_key, origin=origin).to_json(), *where))
         for rule in self.mapping.triggers:
             if rule.source == source:
+                reason = f"{rule.reason} ({event.op} on {event.table} at {event.position_text()})"
                 for model in rule.models:
-                    reason = f"{rule.reason} ({event['op']} on {table_of(event)} at {position_text(event)})"
-                    out.append(("trigger", model, json.dumps({"model_id": model, "trigger": "retrain",
-                                                              "reason": reason[:1024]}), *where))
-        self.row.update({"pos": pos, "hash": content_hash(image), "models": sorted(models)})
+                    out.append(("trigger", model, RetrainTrigger(model_id=model, reason=reason[:1024]).to_json(),
+                                *where))
+        self.row.update({"pos": pos, "hash": content_hash(event.after), "models": sorted(models)})
         self.counters["mapped" if out else "unmapped"].inc()
         for record in out:
             self.counters[{"sample": "samples", "retract": "retractions", "trigger": "triggers"}[record[0]]].inc()
             yield record
 
     @staticmethod
-    def _sample(m, image: dict, row_key: str, event: dict, origin: dict) -> FeedbackSample:
+    def _sample(m: Mapping, event: ChangeEnvelope, origin: ChangeOrigin) -> FeedbackSample:
+        image = event.after
         prompt, completion = _text(field(image, m.prompt)), _text(field(image, m.completion))
         if prompt is None or completion is None:
             missing = m.prompt if prompt is None else m.completion
             raise ValueError(f"field {missing!r} is missing or null")
         weight = field(image, m.weight) if m.weight else 1.0
-        return FeedbackSample.model_validate({
-            "model_id": _text(m.model_for(image)), "sample_id": sample_id_for(row_key, position_text(event)),
+        return FeedbackSample.from_dict({
+            "model_id": _text(m.model_for(image)), "sample_id": sample_id_for(origin.row_key, event.position_text()),
             "prompt": prompt, "completion": completion, "weight": weight,
-            "ts": int(event["source"]["ts_ms"]), "origin": origin})
+            "ts": int(event.source.ts_ms), "origin": origin})

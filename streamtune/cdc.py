@@ -4,7 +4,7 @@
     streamtune cdc --source 'mongodb://host:27017/?db=shop&collection=reviews' --topic shop.reviews
 
 Each change becomes one Kafka record (key: the row's identity, value: a Debezium envelope,
-see connectors/debezium.py) on `--topic`. The capture runs as a process of its own, not as a
+core.messages.ChangeEnvelope) on `--topic`. The capture runs as a process of its own, not as a
 PyFlink job: PyFlink has no Python sources and gives Python functions no checkpoint-complete
 hook, so a Flink job could not tell PostgreSQL that a change is durable. Here durability is
 Kafka's acknowledgement (acks=all): the slot is confirmed, and the Mongo resume token stored,

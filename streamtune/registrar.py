@@ -1,30 +1,14 @@
 """Registrar: version records from Kafka -> MLflow model registry -> broadcast topic.
 
-The fine-tuning job emits one JSON version record per trained adapter version into
-`streamtune.versions` through Flink's EXACTLY_ONCE Kafka sink. The contract:
-
-    {"version_id": str, "model_id": str, "seq": int (1-based per model, consecutive),
-     "window_start": int ms, "window_end": int ms,
-     "artifact_dir": str (absolute local dir holding adapter_config.json +
-                          adapter_model.safetensors, immutable),
-     "sha256": str (hex of adapter_model.safetensors), "base_model": str (HF base model dir),
-     "config_version": int, "fresh_adapter": bool,
-     "adapter": {"rank": int, "alpha": int, "target_modules": [str], "dropout": float},
-     "metrics": {"loss_before": float, "loss_after": float, "samples": int, "tokens": int,
-                 "step_seconds": float},
-     "lineage": {"sample_ids": [str],
-                 "offsets": [{"topic": str, "partition": int, "first": int, "last": int}]},
-     "trigger": "window" | "max_samples" | "forced"}
+The fine-tuning job emits one version record (core.messages.VersionRecord) per trained
+adapter version into `streamtune.versions` through Flink's EXACTLY_ONCE Kafka sink.
 
 Delivery is at-least-once: the local broker (Tansu) shows records of aborted transactions
 to read_committed readers, and a replayed job publishes the same record again, so
 registration is idempotent by version_id (connectors/mlflow_registry.py).
 
-For each new version the registrar publishes to `streamtune.adapter-versions`, keyed by
-model_id:
-
-    {"version_id", "model_id", "seq", "mlflow_version", "model_uri": "models:/<model>/<v>",
-     "sha256", "artifact_uri", "aliases": [str]}
+For each new version the registrar publishes an AdapterVersionBroadcast (core.messages) to
+`streamtune.adapter-versions`, keyed by model_id.
 
 A broadcast is sent when the version is created, or for a duplicate whose broadcast was never
 confirmed (model version tag `streamtune.broadcast` is set only after the broker acked it):
@@ -37,7 +21,6 @@ Kafka down) leaves the record uncommitted and is retried.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -47,59 +30,20 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata
 
 from connectors.kafka import create_topic
-from connectors.mlflow_registry import (
-    ArtifactIntegrityError, artifact_uri, make_client, register_version)
+from connectors.mlflow_registry import artifact_uri, make_client, register_version
+from core import defaults
+from core.errors import ArtifactIntegrityError, InvalidMessage
+from core.messages import AdapterVersionBroadcast, VersionRecord
 
 log = logging.getLogger(__name__)
 
 BROADCAST_TAG = "streamtune.broadcast"
-# field -> accepted types (bool is an int in Python: checked apart below)
-SCHEMA: dict[str, tuple[type, ...]] = {
-    "version_id": (str,), "model_id": (str,), "seq": (int,), "window_start": (int,),
-    "window_end": (int,), "artifact_dir": (str,), "sha256": (str,), "base_model": (str,),
-    "config_version": (int,), "fresh_adapter": (bool,), "adapter": (dict,), "metrics": (dict,),
-    "lineage": (dict,), "trigger": (str,),
-}
-TRIGGERS = {"window", "max_samples", "forced"}
-
-
-class InvalidRecord(ValueError):
-    """A version record that does not follow the contract."""
-
-
-def parse_record(value: bytes | None) -> dict:
-    """Decode and check a version record; raises InvalidRecord."""
-    try:
-        record = json.loads(value)
-    except (TypeError, ValueError) as e:
-        raise InvalidRecord(f"not JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise InvalidRecord(f"not a JSON object: {type(record).__name__}")
-    for name, types in SCHEMA.items():
-        if name not in record:
-            raise InvalidRecord(f"missing field {name!r}")
-        v = record[name]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            raise InvalidRecord(f"field {name!r} has type {type(v).__name__}")
-    if record["seq"] < 1:
-        raise InvalidRecord(f"seq must be >= 1, got {record['seq']}")
-    if record["trigger"] not in TRIGGERS:
-        raise InvalidRecord(f"unknown trigger {record['trigger']!r}")
-    for group, keys in (("adapter", ("rank", "alpha", "target_modules", "dropout")),
-                        ("metrics", ("loss_before", "loss_after", "samples", "tokens", "step_seconds")),
-                        ("lineage", ("sample_ids", "offsets"))):
-        missing = [k for k in keys if k not in record[group]]
-        if missing:
-            raise InvalidRecord(f"{group} lacks {missing}")
-    return record
-
-
 @dataclass
 class RegistrarConfig:
     bootstrap: str
     tracking_uri: str
-    versions_topic: str = "streamtune.versions"
-    broadcast_topic: str = "streamtune.adapter-versions"
+    versions_topic: str = defaults.VERSIONS_TOPIC
+    broadcast_topic: str = defaults.ADAPTER_VERSIONS_TOPIC
     group_id: str = "streamtune-registrar"
 
 
@@ -169,34 +113,30 @@ class Registrar:
         self.counts["seen"] += 1
         where = f"{rec.topic}[{rec.partition}]@{rec.offset}"
         try:
-            record = parse_record(rec.value)
+            record = VersionRecord.from_json(rec.value)
             mv, created = register_version(self.client, record)
-        except (InvalidRecord, ArtifactIntegrityError) as e:
+        except (InvalidMessage, ArtifactIntegrityError) as e:
             self.counts["invalid"] += 1
             log.error("registrar: invalid version record at %s skipped: %s", where, e)
             self.on_event(f"invalid record at {where} skipped: {e}")
             return
-        model_id, metrics = record["model_id"], record["metrics"]
+        model_id, metrics = record.model_id, record.metrics
         if created:
             self.counts["registered"] += 1
-            self.on_event(f"registered {model_id} v{mv.version} (version_id {record['version_id']}) "
-                          f"loss {metrics['loss_before']:.2f} -> {metrics['loss_after']:.2f}")
+            self.on_event(f"registered {model_id} v{mv.version} (version_id {record.version_id}) "
+                          f"loss {metrics.loss_before:.2f} -> {metrics.loss_after:.2f}")
         else:
             self.counts["duplicates"] += 1
-            self.on_event(f"duplicate {model_id} v{mv.version} (version_id {record['version_id']}) "
+            self.on_event(f"duplicate {model_id} v{mv.version} (version_id {record.version_id}) "
                           f"at {where} skipped")
         if created or mv.tags.get(BROADCAST_TAG) != "sent":
             self._broadcast(record, mv)
 
-    def _broadcast(self, record: dict, mv) -> None:
-        message = {
-            "version_id": record["version_id"], "model_id": record["model_id"],
-            "seq": record["seq"], "mlflow_version": int(mv.version),
-            "model_uri": f"models:/{record['model_id']}/{mv.version}",
-            "sha256": record["sha256"], "artifact_uri": artifact_uri(self.client, mv),
-            "aliases": sorted(mv.aliases),
-        }
-        self.producer.send(self.config.broadcast_topic, key=record["model_id"].encode(),
-                           value=json.dumps(message).encode()).get(timeout=30)
-        self.client.set_model_version_tag(record["model_id"], mv.version, BROADCAST_TAG, "sent")
-
+    def _broadcast(self, record: VersionRecord, mv) -> None:
+        message = AdapterVersionBroadcast(
+            version_id=record.version_id, model_id=record.model_id, seq=record.seq,
+            mlflow_version=int(mv.version), model_uri=f"models:/{record.model_id}/{mv.version}",
+            sha256=record.sha256, artifact_uri=artifact_uri(self.client, mv), aliases=sorted(mv.aliases))
+        self.producer.send(self.config.broadcast_topic, key=record.model_id.encode(),
+                           value=message.to_json().encode()).get(timeout=30)
+        self.client.set_model_version_tag(record.model_id, mv.version, BROADCAST_TAG, "sent")

@@ -6,18 +6,25 @@ import json
 
 import pytest
 
-from connectors.debezium import envelope, lsn_text, mongo_source, parse_lsn, position, postgres_source
+from core.errors import ConfigError, InvalidMessage
+from core.messages import ChangeEnvelope, ChangeSource
+from core.sources.mongodb import MongoSource
+from core.sources.postgres import PostgresSource, lsn_text, parse_lsn
 from operators.cdc_mapping import CdcMapping, Mapping, field
-from operators.validate import Invalid, parse_change
+from operators.validate import parse_change
 
 pytestmark = pytest.mark.cdc
 
 
-def pg_event(op="c", after=None, before=None, commit=200, lsn=100, index=0):
-    src = postgres_source("pg", "app", "public", "answers", commit_lsn=commit, lsn=lsn, tx_id=7, commit_ts_ms=1,
-                          snapshot=False)
-    src["tx_index"] = index
-    return envelope(op, before, after, src, ts_ms=2)
+def pg_event(op="c", after={"id": 1}, before=None, commit=200, lsn=100, index=0) -> ChangeEnvelope:
+    src = PostgresSource.change_source("pg", "app", "public", "answers", commit_lsn=commit, lsn=lsn, tx_index=index,
+                                       tx_id=7, commit_ts_ms=1, snapshot=False)
+    return ChangeEnvelope(op=op, before=before, after=after, source=ChangeSource.model_validate(src), ts_ms=2)
+
+
+def mongo_event(token: str, increment: int) -> ChangeEnvelope:
+    src = MongoSource.change_source("m", "d", "c", resume_token=token, cluster_time=(10, increment), tx_number=None)
+    return ChangeEnvelope(op="c", after={"_id": 1}, source=ChangeSource.model_validate(src))
 
 
 def test_lsn_text_round_trips():
@@ -27,32 +34,33 @@ def test_lsn_text_round_trips():
 
 
 def test_positions_order_changes_of_one_source():
+    def position(event: ChangeEnvelope) -> tuple:
+        return ChangeEnvelope.from_json(event.to_json()).position()  # as a consumer reads it
+
     assert position(pg_event(commit=200, lsn=100)) < position(pg_event(commit=200, lsn=150))
     assert position(pg_event(commit=200, lsn=100, index=0)) < position(pg_event(commit=200, lsn=100, index=1))
     assert position(pg_event(commit=200, lsn=190)) < position(pg_event(commit=300, lsn=110))
-    m1 = envelope("c", None, {"_id": 1}, mongo_source("m", "d", "c", resume_token="a", cluster_time=(10, 2),
-                                                       tx_number=None), 0)
-    m2 = envelope("c", None, {"_id": 1}, mongo_source("m", "d", "c", resume_token="b", cluster_time=(10, 3),
-                                                       tx_number=None), 0)
-    assert position(m1) < position(m2)
+    assert position(mongo_event("a", 2)) < position(mongo_event("b", 3))
 
 
 def test_parse_change_names_the_row():
-    assert parse_change(json.dumps(pg_event(after={"id": 1})), 65536, '{"id":1}') == \
+    assert parse_change(pg_event(after={"id": 1}).to_json(), 65536, '{"id":1}') == \
         'postgresql/pg/app.public.answers/{"id":1}'
-    event = {**pg_event(after={"id": 1}), "key_fields": ["id"]}
-    assert parse_change(json.dumps(event), 65536, None) == "postgresql/pg/app.public.answers/[1]"
+    event = pg_event(after={"id": 1}).model_copy(update={"key_fields": ["id"]})
+    assert parse_change(event.to_json(), 65536, None) == "postgresql/pg/app.public.answers/[1]"
 
 
 @pytest.mark.parametrize("payload, code", [
     (None, "empty"), ("{", "bad_json"), ('{"op": "x"}', "not_a_change_event"),
     (json.dumps({"op": "c", "source": {"connector": "oracle"}}), "not_a_change_event"),
-    (json.dumps(pg_event(after=None)), "not_a_change_event"),
-    (json.dumps(pg_event(after={"id": 1})), "no_row_key"),
+    (json.dumps({**pg_event(after={"id": 1}).to_dict(), "after": None}), "not_a_change_event"),
+    (json.dumps({**pg_event(after={"id": 1}).to_dict(), "source": {"connector": "mongodb", "db": "d"}}),
+     "not_a_change_event"),
+    (pg_event(after={"id": 1}).to_json(), "no_row_key"),
     ("x" * 70000, "oversized"),
 ])
 def test_bad_change_events_have_reasons(payload, code):
-    with pytest.raises(Invalid) as e:
+    with pytest.raises(InvalidMessage) as e:
         parse_change(payload, 65536, None)
     assert e.value.code == code
 
@@ -77,9 +85,10 @@ def test_mapping_filters_and_paths():
     ("mappings:\n  - table: t\n    model_id: {value: m, column: c}\n    prompt: q\n    completion: a\n",
      "exactly one of column or value"),
     ("triggers: []\n", "at least one entry"),
+    ("mappings:\n  - table: t\n    model_id: {value: ..}\n    prompt: q\n    completion: a\n", "model_id.value"),
     ("mappings: [\n", "not YAML"),
 ])
 def test_mapping_file_errors_are_clear(tmp_path, text, message):
     (tmp_path / "m.yaml").write_text(text)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         CdcMapping.load(tmp_path / "m.yaml")

@@ -11,12 +11,13 @@ import pytest
 
 from connectors.kafka import read_topic
 from connectors.mlflow_registry import ArtifactIntegrityError, make_client, register_version
+from core.messages import AdapterVersionBroadcast, VersionRecord
 from streamtune.registrar import Registrar, RegistrarConfig
 
 pytestmark = pytest.mark.finetune
 
 
-def make_record(tmp_path, model_id: str, seq: int, loss_after: float, **overrides) -> dict:
+def make_record(tmp_path, model_id: str, seq: int, loss_after: float, **overrides) -> VersionRecord:
     artifact_dir = tmp_path / f"{model_id}-{seq}"
     artifact_dir.mkdir()
     weights = f"fake safetensors {model_id} {seq}".encode() * 64
@@ -29,6 +30,7 @@ def make_record(tmp_path, model_id: str, seq: int, loss_after: float, **override
         "artifact_dir": str(artifact_dir), "sha256": hashlib.sha256(weights).hexdigest(),
         "base_model": "/models/tiny-llama", "config_version": 1, "fresh_adapter": seq == 1,
         "adapter": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05},
+        "trigger_policy": {"min_samples_per_window": 32, "window_seconds": 1},
         "metrics": {"loss_before": loss_after + 1.0, "loss_after": loss_after, "samples": 32,
                     "tokens": 2048, "step_seconds": 0.25},
         "lineage": {"sample_ids": [f"s{seq}-{i}" for i in range(3)],
@@ -37,7 +39,7 @@ def make_record(tmp_path, model_id: str, seq: int, loss_after: float, **override
         "trigger": "window",
     }
     record.update(overrides)
-    return record
+    return VersionRecord.model_validate(record)
 
 
 def publish(bootstrap: str, topic: str, values: list[bytes]) -> None:
@@ -76,7 +78,7 @@ def versions_of(client, model_id: str) -> list:
 
 def test_duplicate_record_registers_once(stack_config, registrar, unique, tmp_path):
     model_id = f"dup-{unique}"
-    value = json.dumps(make_record(tmp_path, model_id, 1, 1.5)).encode()
+    value = make_record(tmp_path, model_id, 1, 1.5).to_json().encode()
     publish(stack_config.kafka_bootstrap, registrar.config.versions_topic, [value, value])
     drain(registrar, 2)
     assert registrar.counts == {"seen": 2, "registered": 1, "duplicates": 1, "invalid": 0}
@@ -85,10 +87,10 @@ def test_duplicate_record_registers_once(stack_config, registrar, unique, tmp_pa
     messages = read_topic(stack_config.kafka_bootstrap, registrar.config.broadcast_topic, idle=3.0)
     assert len(messages) == 1
     assert messages[0].key == model_id.encode()
-    body = json.loads(messages[0].value)
-    assert body["model_uri"] == f"models:/{model_id}/1" and body["mlflow_version"] == 1
-    assert body["artifact_uri"].endswith("/artifacts/adapter")
-    assert set(body["aliases"]) == {"candidate", "champion"}
+    body = AdapterVersionBroadcast.from_json(messages[0].value)
+    assert body.model_uri == f"models:/{model_id}/1" and body.mlflow_version == 1
+    assert body.artifact_uri.endswith("/artifacts/adapter")
+    assert set(body.aliases) == {"candidate", "champion"}
     assert any(e.startswith(f"registered {model_id} v1 ") and "loss 2.50 -> 1.50" in e
                for e in registrar.events), registrar.events
 
@@ -100,20 +102,20 @@ def test_consecutive_versions_tags_and_aliases(stack_config, registrar, unique, 
     client = make_client(stack_config.mlflow_uri)
     topic = registrar.config.versions_topic
 
-    publish(stack_config.kafka_bootstrap, topic, [json.dumps(r).encode() for r in records[:2]])
+    publish(stack_config.kafka_bootstrap, topic, [r.to_json().encode() for r in records[:2]])
     drain(registrar, 2)
     versions = versions_of(client, model_id)
     assert [v.version for v in versions] == ["1", "2"]
     for v, r in zip(versions, records):
         assert v.source == f"runs:/{v.run_id}/adapter"
-        assert v.tags["streamtune.version_id"] == r["version_id"]
-        assert v.tags["streamtune.seq"] == str(r["seq"])
-        assert v.tags["streamtune.sha256"] == r["sha256"]
+        assert v.tags["streamtune.version_id"] == r.version_id
+        assert v.tags["streamtune.seq"] == str(r.seq)
+        assert v.tags["streamtune.sha256"] == r.sha256
         assert v.tags["streamtune.samples"] == "32"
         assert v.tags["streamtune.rank"] == "8"
         assert v.tags["streamtune.target_modules"] == "q_proj,v_proj"
-        assert v.tags["streamtune.fresh_adapter"] == str(r["seq"] == 1)
-        assert v.tags["streamtune.window_start"] == str(r["window_start"])
+        assert v.tags["streamtune.fresh_adapter"] == str(r.seq == 1)
+        assert v.tags["streamtune.window_start"] == str(r.window_start)
         assert v.tags["streamtune.broadcast"] == "sent"
         assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "lineage.json"} <= {
             f.path for f in client.list_artifacts(v.run_id)} | {
@@ -121,7 +123,7 @@ def test_consecutive_versions_tags_and_aliases(stack_config, registrar, unique, 
     aliases = client.get_registered_model(model_id).aliases
     assert aliases == {"candidate": "2", "champion": "2"}  # 1.2 <= 1.5: champion moved
 
-    publish(stack_config.kafka_bootstrap, topic, [json.dumps(records[2]).encode()])
+    publish(stack_config.kafka_bootstrap, topic, [records[2].to_json().encode()])
     drain(registrar, 3)
     aliases = client.get_registered_model(model_id).aliases
     assert aliases == {"candidate": "3", "champion": "2"}  # 2.0 > 1.2: champion stays
@@ -136,17 +138,17 @@ def test_consecutive_versions_tags_and_aliases(stack_config, registrar, unique, 
 
 def test_invalid_records_are_counted_and_skipped(stack_config, registrar, unique, tmp_path):
     model_id = f"inv-{unique}"
-    missing_field = make_record(tmp_path, model_id, 1, 1.0)
+    missing_field = make_record(tmp_path, model_id, 1, 1.0).to_dict()
     del missing_field["metrics"]
     bad_sha = make_record(tmp_path, model_id, 2, 1.0, sha256="0" * 64)
     good = make_record(tmp_path, model_id, 3, 1.0)
     publish(stack_config.kafka_bootstrap, registrar.config.versions_topic,
-            [b"{not json", json.dumps(missing_field).encode(), json.dumps(bad_sha).encode(),
-             json.dumps(good).encode()])
+            [b"{not json", json.dumps(missing_field).encode(), bad_sha.to_json().encode(),
+             good.to_json().encode()])
     drain(registrar, 4)
     assert registrar.counts == {"seen": 4, "registered": 1, "duplicates": 0, "invalid": 3}
     client = make_client(stack_config.mlflow_uri)
-    assert [v.tags["streamtune.version_id"] for v in versions_of(client, model_id)] == [good["version_id"]]
+    assert [v.tags["streamtune.version_id"] for v in versions_of(client, model_id)] == [good.version_id]
     assert sum("invalid record" in e for e in registrar.events) == 3
     assert any("sha256 mismatch" in e for e in registrar.events)
 
@@ -163,7 +165,7 @@ def test_sha256_mismatch_is_a_clear_error(stack_config, unique, tmp_path):
 def test_transient_mlflow_failure_is_retried(stack_config, registrar, unique, tmp_path, monkeypatch):
     model_id = f"retry-{unique}"
     record = make_record(tmp_path, model_id, 1, 1.0)
-    publish(stack_config.kafka_bootstrap, registrar.config.versions_topic, [json.dumps(record).encode()])
+    publish(stack_config.kafka_bootstrap, registrar.config.versions_topic, [record.to_json().encode()])
     real_client = registrar.client
     with monkeypatch.context() as m:
         m.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -183,9 +185,9 @@ def test_duplicate_without_broadcast_is_broadcast(stack_config, registrar, uniqu
     model_id = f"heal-{unique}"
     record = make_record(tmp_path, model_id, 1, 1.0)
     register_version(make_client(stack_config.mlflow_uri), record)  # registered, never broadcast
-    value = json.dumps(record).encode()
+    value = record.to_json().encode()
     publish(stack_config.kafka_bootstrap, registrar.config.versions_topic, [value, value])
     drain(registrar, 2)
     assert registrar.counts == {"seen": 2, "registered": 0, "duplicates": 2, "invalid": 0}
     messages = read_topic(stack_config.kafka_bootstrap, registrar.config.broadcast_topic, idle=3.0)
-    assert [json.loads(m.value)["version_id"] for m in messages] == [record["version_id"]]
+    assert [AdapterVersionBroadcast.from_json(m.value).version_id for m in messages] == [record.version_id]
