@@ -30,7 +30,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 GOAL_MS = 50.0
 
@@ -42,6 +41,7 @@ def run_job(args) -> None:
     from pyflink.table import StreamTableEnvironment
 
     from connectors.flink_kafka import input_table_ddl
+    from core.messages import FeedbackSample
     from jobs.cdc_retrain import CDC_CONSUMER_PROPERTIES, CDC_JOB_SETTINGS
     from operators.cdc_mapping import CdcMapping
     from operators.row_changes import RowChangeFunction
@@ -55,8 +55,8 @@ def run_job(args) -> None:
             self.file = open(self.out, "a", buffering=1)
 
         def map(self, value):
-            sample = json.loads(value[2])
-            self.file.write(f"{sample['prompt']} {time.time() * 1000:.3f} {value[6]}\n")
+            sample = FeedbackSample.from_json(value[2])
+            self.file.write(f"{sample.prompt} {time.time() * 1000:.3f} {value[6]}\n")
             return value[1]
 
     conf = Configuration()
@@ -106,7 +106,7 @@ def measure(args, mode: str) -> float:
     import psycopg
     import pymongo
 
-    from cdckit import CaptureProcess
+    from streamtune.testing import CaptureProcess
     from connectors.kafka import create_topic
     from streamtune.local_job import kill_group, spawn_logged
     from streamtune.stack import StackConfig

@@ -12,7 +12,6 @@ out. Prints p50 and p95 against the goal: checkpoint interval + 1 s.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -23,15 +22,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from jobkit import job_args, job_topics, spec  # noqa: E402
-
+from core.messages import FeedbackSample  # noqa: E402
 from streamtune.demo import quiet_libraries  # noqa: E402
 from streamtune.feedback import producer, send_config  # noqa: E402
 from streamtune.local_job import LocalJob  # noqa: E402
 from streamtune.registrar import Registrar, RegistrarConfig  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
+from streamtune.testing import job_args, job_topics, spec  # noqa: E402
 from streamtune.tinymodel import build_tiny_llama, digit_pairs  # noqa: E402
 
 WINDOW_S = 2
@@ -76,8 +74,8 @@ def main() -> None:
     try:
         for i, (prompt, completion) in enumerate(pairs):
             now = int(time.time() * 1000)
-            sample = {"model_id": model_id, "sample_id": f"s{i}", "prompt": prompt, "completion": completion, "ts": now}
-            out.send(topics["feedback"], json.dumps(sample).encode(), timestamp_ms=now)
+            sample = FeedbackSample(model_id=model_id, sample_id=f"s{i}", prompt=prompt, completion=completion, ts=now)
+            out.send(topics["feedback"], sample.to_json().encode(), timestamp_ms=now)
             out.flush()
             time.sleep(interval)
         deadline = time.monotonic() + 60

@@ -12,7 +12,6 @@ their ratio, measured in this one run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -20,14 +19,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from jobkit import job_args, job_topics, spec  # noqa: E402
 
 from streamtune.feedback import digit_samples, send_config, send_samples  # noqa: E402
 from streamtune.local_job import LocalJob  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
+from streamtune.testing import job_args, job_topics, spec  # noqa: E402
 from core.batching import collate, encode_example  # noqa: E402
+from core.messages import VersionRecord  # noqa: E402
 from streamtune.tinymodel import build_tiny_llama, digit_pairs  # noqa: E402
 
 T0 = 1_770_000_000_000
@@ -86,8 +84,8 @@ def job_rate(config: StackConfig, base: Path, windows: int, per_window: int, ran
         while len(arrivals) < windows and time.monotonic() < deadline:
             for recs in consumer.poll(timeout_ms=200).values():
                 for r in recs:
-                    m = json.loads(r.value)["metrics"]
-                    arrivals.append((m["operator_seconds"], m["samples"]))
+                    m = VersionRecord.from_json(r.value).metrics
+                    arrivals.append((m.operator_seconds, m.samples))
     finally:
         job.kill()
         consumer.close()

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from connectors.kafka import read_topic
+from core.messages import FinetuneSpec
 
 from .feedback import digit_samples, producer, send_config, send_samples
 from .stack import Stack, StackConfig, StackError
@@ -41,11 +42,12 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def demo_spec(model_id: str, feedback_topic: str) -> dict:
-    return {"model_id": model_id, "stream_source": f"kafka://topic={feedback_topic}",
-            "adapter_config": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
-            "trigger_policy": {"min_samples_per_window": SAMPLES_PER_WINDOW, "window_seconds": WINDOW_SECONDS},
-            "training": {"lr": 0.01, "micro_batch_size": 32, "epochs": 4}, "seed": 7}
+def demo_spec(model_id: str, feedback_topic: str) -> FinetuneSpec:
+    return FinetuneSpec.model_validate({
+        "model_id": model_id, "stream_source": f"kafka://topic={feedback_topic}",
+        "adapter_config": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+        "trigger_policy": {"min_samples_per_window": SAMPLES_PER_WINDOW, "window_seconds": WINDOW_SECONDS},
+        "training": {"lr": 0.01, "micro_batch_size": 32, "epochs": 4}, "seed": 7})
 
 
 def champion_exact_match(config: StackConfig, model_id: str, base_dir: Path, held_out: list) -> tuple[float, float]:

@@ -17,9 +17,9 @@ import pymongo
 import pytest
 from kafka import KafkaProducer
 
-from cdckit import CaptureProcess, cdc_spec, psql
+from streamtune.testing import CaptureProcess, cdc_spec, psql
 from connectors.kafka import create_topic, read_topic
-from jobkit import wait_for_records
+from streamtune.testing import wait_for_records
 from streamtune.feedback import send_config
 from streamtune.local_job import LocalJob
 

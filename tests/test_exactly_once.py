@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from jobkit import job_args, job_topics, spec, wait_for_records
+from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import LocalJob
 from streamtune.tinymodel import digit_pairs

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jobkit import job_args, job_topics, spec, wait_for_records
+from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.tinymodel import digit_pairs

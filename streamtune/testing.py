@@ -1,0 +1,124 @@
+"""Helpers that tests and benchmarks share: a job's topics and arguments, specs, waiting on
+a topic, `streamtune cdc` as a killable child process, psql.
+
+They run real things (topics on the broker, processes, the psql client); nothing here fakes
+a component.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from core.messages import FinetuneSpec, Message
+from streamtune.local_job import kill_group, spawn_logged
+
+JOB_TOPICS = ("feedback", "configs", "versions", "dlq")
+M = TypeVar("M", bound=Message)
+
+
+def job_topics(bootstrap: str, prefix: str) -> dict[str, str]:
+    """`<prefix>.feedback|configs|versions|dlq`, created on the broker."""
+    from connectors.kafka import create_topic
+
+    topics = {k: f"{prefix}.{k}" for k in JOB_TOPICS}
+    for topic in topics.values():
+        create_topic(bootstrap, topic)
+    return topics
+
+
+def job_args(topics: dict, base_model, artifact_dir, *extra: str) -> list[str]:
+    """jobs/stream_finetune.py arguments for these topics."""
+    return ["--feedback-topic", topics["feedback"], "--config-topic", topics["configs"],
+            "--versions-topic", topics["versions"], "--dlq-topic", topics["dlq"],
+            "--base-model", str(base_model), "--artifact-dir", str(artifact_dir), *extra]
+
+
+def spec_fields(model_id: str, stream_source: str, *, rank=4, targets=("q_proj", "v_proj"), min_samples=8,
+                window_seconds=2, **extra) -> dict[str, Any]:
+    """A fine-tune spec's fields, unchecked: tests of the dead-letter path break them on purpose."""
+    return {"model_id": model_id, "stream_source": stream_source,
+            "adapter_config": {"rank": rank, "alpha": 2 * rank, "target_modules": list(targets)},
+            "trigger_policy": {"min_samples_per_window": min_samples, "window_seconds": window_seconds},
+            "training": {"lr": 0.01, "micro_batch_size": 8}, **extra}
+
+
+def spec(model_id: str, topics: dict, **options) -> FinetuneSpec:
+    """A spec for the job reading `topics["feedback"]` (options: see spec_fields)."""
+    return FinetuneSpec.model_validate(spec_fields(model_id, f"kafka://topic={topics['feedback']}", **options))
+
+
+def cdc_spec(model_id: str, stream_source: str, *, min_samples: int, window_seconds: int = 2,
+             rank: int = 4) -> FinetuneSpec:
+    """A spec for a CDC source (postgres://…?table=… or mongodb://…?db=…&collection=…)."""
+    return FinetuneSpec.model_validate(spec_fields(model_id, stream_source, rank=rank, min_samples=min_samples,
+                                                   window_seconds=window_seconds))
+
+
+def wait_for_records(bootstrap: str, topic: str, message: type[M], count: int, timeout: float,
+                     read_committed=True, predicate: Callable[[M], bool] | None = None) -> list[M]:
+    """Poll a topic until `count` records (matching `predicate`) are there, or time out; each
+    record is parsed as `message` (a core.messages model), so a drifted record fails here."""
+    from connectors.kafka import read_topic
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [message.from_json(r.value) for r in read_topic(bootstrap, topic, timeout=10, idle=1.0,
+                                                                   read_committed=read_committed)]
+        if predicate:
+            records = [r for r in records if predicate(r)]
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(1)
+
+
+class CaptureProcess:
+    """`streamtune cdc` as a child process that a test can SIGKILL and start again."""
+
+    def __init__(self, source: str, name: str, topic: str, log_file: Path, bootstrap: str,
+                 offsets_topic: str, *extra: str):
+        self.cmd = [sys.executable, "-m", "streamtune.cli", "cdc", "--source", source, "--name", name,
+                    "--topic", topic, "--bootstrap", bootstrap, "--offsets-topic", offsets_topic, *extra]
+        self.log_file = Path(log_file)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "CaptureProcess":
+        self.proc = spawn_logged(self.cmd, self.log_file)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no flush, no confirmation, no goodbye to the server."""
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def wait_for_log(self, text: str, timeout: float = 30.0, times: int = 1) -> None:
+        deadline = time.monotonic() + timeout
+        while self.log().count(text) < times:
+            assert time.monotonic() < deadline, f"capture never logged {text!r}:\n{self.log()[-3000:]}"
+            assert self.alive(), f"capture exited:\n{self.log()[-3000:]}"
+            time.sleep(0.2)
+
+
+def psql(dsn: str, sql: str) -> str:
+    """Run SQL with the real psql client, as a user would."""
+    result = subprocess.run(["psql", dsn, "-v", "ON_ERROR_STOP=1", "-qAt", "-c", sql],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"psql failed: {result.stderr}"
+    return result.stdout
