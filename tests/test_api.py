@@ -195,16 +195,16 @@ def test_malformed_spec_gets_422_per_field_and_changes_nothing(stack_config, uni
 
 
 def test_feedback_event_mapping():
-    from streamtune.api.app import ClickEvent, CorrectionEvent, DwellEvent, to_sample
+    from streamtune.api.models import ClickEvent, CorrectionEvent, DwellEvent, to_sample
 
     base = {"model_id": "m", "event_id": "e", "prompt": "p", "ts": 5}
     assert to_sample(CorrectionEvent(type="correction", corrected_completion="fixed", original_completion="bad",
-                                     **base)) == {**{k: v for k, v in base.items() if k != "event_id"},
-                                                  "sample_id": "e", "completion": "fixed", "label": "corrected",
-                                                  "weight": 1.0}
-    assert to_sample(ClickEvent(type="click", completion="c", **base))["label"] == "accepted"
-    assert to_sample(DwellEvent(type="dwell", completion="c", dwell_seconds=5, **base))["weight"] == 0.5
-    assert to_sample(DwellEvent(type="dwell", completion="c", dwell_seconds=600, **base))["weight"] == 3.0
+                                     **base)).to_dict() == {**{k: v for k, v in base.items() if k != "event_id"},
+                                                            "sample_id": "e", "completion": "fixed",
+                                                            "label": "corrected", "weight": 1.0}
+    assert to_sample(ClickEvent(type="click", completion="c", **base)).label == "accepted"
+    assert to_sample(DwellEvent(type="dwell", completion="c", dwell_seconds=5, **base)).weight == 0.5
+    assert to_sample(DwellEvent(type="dwell", completion="c", dwell_seconds=600, **base)).weight == 3.0
 
 
 def test_fuzzing_openapi_no_5xx_and_responses_follow_the_schema(stack_config, tmp_path):

@@ -8,8 +8,13 @@
     streamtune stop MODEL              DELETE /v1/stream-finetune/MODEL
 
 The client commands take --url (default $STREAMTUNE_API_URL or http://127.0.0.1:8000) and
-the token from --token-file or $STREAMTUNE_API_TOKEN. They print the JSON answer; an error
-answer prints one line and exits 1; an API that cannot be reached exits 2.
+the token from --token-file or $STREAMTUNE_API_TOKEN. They print the JSON answer on stdout.
+Every error is one line on stderr, with an exit code from core.errors:
+
+| exit code | when                                                                          |
+|-----------|-------------------------------------------------------------------------------|
+| 2         | unreadable spec or token file, no token for `api`, a 4xx or 501 answer         |
+| 3         | the API cannot be reached, or answers 500, 502, 503 (its stack is down) or 504 |
 """
 
 from __future__ import annotations
@@ -19,14 +24,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
+
+import requests
+
+from core.errors import ConfigError, ServiceUnavailable, StreamtuneError
+
+from .app import ApiSettings, create_app, read_token
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def _token(args) -> str | None:
-    if getattr(args, "token_file", None):
-        return Path(args.token_file).read_text().strip()
-    return os.environ.get("STREAMTUNE_API_TOKEN") or None
+class RequestRejected(StreamtuneError):
+    """The API answered that the request cannot work as given (4xx, or 501 for a CDC spec)."""
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -35,19 +45,15 @@ def _client_options(p: argparse.ArgumentParser) -> None:
 
 
 def call(args, method: str, path: str, body=None) -> int:
-    import requests
-
-    headers = {}
-    token = _token(args)
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    url = args.url.rstrip("/") + path
+    """Send the request and print the JSON answer; RequestRejected or ServiceUnavailable
+    for an error answer."""
+    token = read_token(args.token_file)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = requests.request(method, url, json=body, headers=headers, timeout=600)
+        r = requests.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=600)
     except requests.RequestException as e:
-        print(f"error: the streamtune API is not reachable at {args.url} ({type(e).__name__}); "
-              "start it with `streamtune api`", file=sys.stderr)
-        return 2
+        raise ServiceUnavailable(f"the streamtune API is not reachable at {args.url} ({type(e).__name__}); "
+                                 "start it with `streamtune api`") from None
     try:
         payload = r.json()
     except ValueError:
@@ -56,8 +62,11 @@ def call(args, method: str, path: str, body=None) -> int:
         detail = payload.get("detail") if isinstance(payload, dict) else payload
         if isinstance(detail, list):  # FastAPI's 422: one line per field
             detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
-        print(f"error: {method} {path} -> {r.status_code}: {detail}", file=sys.stderr)
-        return 2 if r.status_code == 503 else 1
+        message = f"{method} {path} -> {r.status_code}: {detail}"
+        # 501 is the API declining a CDC spec: the request's fault, not a failing service.
+        if r.status_code >= 500 and r.status_code != 501:
+            raise ServiceUnavailable(message)
+        raise RequestRejected(message)
     print(json.dumps(payload, indent=2))
     return 0
 
@@ -65,12 +74,9 @@ def call(args, method: str, path: str, body=None) -> int:
 def cmd_api(args) -> int:
     import uvicorn
 
-    from .app import ApiSettings, create_app
-
     settings = ApiSettings.from_env(token_file=args.token_file, **({"read_auth": True} if args.read_auth else {}))
     if not settings.token:
-        print("error: no API token: set STREAMTUNE_API_TOKEN or pass --token-file", file=sys.stderr)
-        return 2
+        raise ConfigError("no API token: set STREAMTUNE_API_TOKEN or pass --token-file")
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -79,9 +85,20 @@ def cmd_submit(args) -> int:
     try:
         spec = json.loads(Path(args.spec).read_text())
     except (OSError, ValueError) as e:
-        print(f"error: cannot read spec {args.spec}: {e}", file=sys.stderr)
-        return 1
+        raise ConfigError(f"cannot read spec {args.spec}: {e}") from None
     return call(args, "POST", "/v1/stream-finetune", spec)
+
+
+def reporting_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`command`, with a StreamtuneError printed as one line on stderr and its exit code returned."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except StreamtuneError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+
+    return run
 
 
 def add_parsers(subparsers) -> None:
@@ -91,35 +108,35 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token-file", default=None, help="file holding the bearer token (else $STREAMTUNE_API_TOKEN)")
     p.add_argument("--read-auth", action="store_true", help="require the token on read endpoints too")
-    p.set_defaults(func=cmd_api)
+    p.set_defaults(func=reporting_errors(cmd_api))
 
     p = subparsers.add_parser("submit", help="POST a fine-tune spec (JSON file) to the API")
     p.add_argument("spec")
     _client_options(p)
-    p.set_defaults(func=cmd_submit)
+    p.set_defaults(func=reporting_errors(cmd_submit))
 
     p = subparsers.add_parser("status", help="job state, config version, last version and counters of a model")
     p.add_argument("model")
     _client_options(p)
-    p.set_defaults(func=lambda a: call(a, "GET", f"/v1/stream-finetune/{a.model}"))
+    p.set_defaults(func=reporting_errors(lambda a: call(a, "GET", f"/v1/stream-finetune/{a.model}")))
 
     p = subparsers.add_parser("versions", help="a model's versions in MLflow")
     p.add_argument("model")
     _client_options(p)
-    p.set_defaults(func=lambda a: call(a, "GET", f"/v1/models/{a.model}/versions"))
+    p.set_defaults(func=reporting_errors(lambda a: call(a, "GET", f"/v1/models/{a.model}/versions")))
 
     p = subparsers.add_parser("promote", help="move a model's alias (default champion) to VERSION")
     p.add_argument("model")
     p.add_argument("version", type=int)
     p.add_argument("--alias", default="champion")
     _client_options(p)
-    p.set_defaults(func=lambda a: call(a, "POST", f"/v1/models/{a.model}/aliases",
-                                       {"alias": a.alias, "version": a.version}))
+    p.set_defaults(func=reporting_errors(lambda a: call(a, "POST", f"/v1/models/{a.model}/aliases",
+                                                        {"alias": a.alias, "version": a.version})))
 
     p = subparsers.add_parser("stop", help="stop training a model (the job stops with a savepoint when it was the last)")
     p.add_argument("model")
     _client_options(p)
-    p.set_defaults(func=lambda a: call(a, "DELETE", f"/v1/stream-finetune/{a.model}"))
+    p.set_defaults(func=reporting_errors(lambda a: call(a, "DELETE", f"/v1/stream-finetune/{a.model}")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
-"""The API's own state: the jobs registry (JSON file) and the promotion log (JSONL).
+"""The API's own state: the jobs file (jobs.json) and the promotion log (promotions.jsonl).
 
-jobs.json:
+The jobs file: which spec is in force for each model, and which Flink job serves each topic:
 
     {"models": {model_id: {"topic", "spec", "spec_hash", "job_id", "response", "registered_at"}},
      "jobs":   {topic: {"job_id", "job_name", "topics": {feedback, configs, versions, dlq},
@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 
-class JobsRegistry:
+class JobsFile:
+    """The jobs file; `load()` answers `{"models": {}, "jobs": {}}` before the first save."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.lock = threading.RLock()
@@ -41,11 +43,10 @@ class JobsRegistry:
             tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
             os.replace(tmp, self.path)
 
-    def model(self, model_id: str) -> dict | None:
-        return self.load()["models"].get(model_id)
-
 
 class PromotionLog:
+    """promotions.jsonl: one line per alias move (MLflow keeps no alias history)."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.lock = threading.Lock()

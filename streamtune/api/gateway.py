@@ -1,0 +1,240 @@
+"""Every call the control plane makes to the stack: the Flink cluster (REST API and the `flink`
+command line), Kafka and MLflow.
+
+A service that fails or cannot be reached raises StackUnavailable, which the routes answer
+with 503; a model or version that MLflow does not have raises MlflowNotFound (404).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import requests
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from connectors.kafka import create_topic
+from core.errors import ServiceUnavailable, StreamtuneError
+from core.messages import Message
+from streamtune.stack.config import StackConfig
+from streamtune.stack.flink import flink_cli, submit_detached
+from streamtune.stack.process import StackError
+
+from .models import VersionInfo
+
+# Flink job states in which a job still serves (or is about to serve) its topic.
+LIVE_STATES = {"CREATED", "INITIALIZING", "RUNNING", "RESTARTING", "RECONCILING"}
+# What running the `flink` command line raises when it cannot run or does not finish.
+FLINK_CLI_ERRORS = (StackError, subprocess.SubprocessError, OSError)
+# MLflow's error codes for a registered model, version or alias that does not exist.
+MLFLOW_NOT_FOUND = {"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"}
+
+
+class StackUnavailable(ServiceUnavailable):
+    """The Flink cluster, Kafka or MLflow failed or cannot be reached (answered with 503)."""
+
+
+class MlflowNotFound(StreamtuneError, LookupError):
+    """MLflow has no such registered model or version (answered with 404)."""
+
+
+def job_name(topic: str) -> str:
+    """The name of the Flink job that trains from Kafka topic `topic`."""
+    return f"streamtune-{topic}"
+
+
+def job_topics(topic: str) -> dict[str, str]:
+    """The topics of the job that trains from `topic`.
+
+    >>> job_topics("clicks")
+    {'feedback': 'clicks', 'configs': 'clicks.configs', 'versions': 'clicks.versions', 'dlq': 'clicks.dlq'}
+    """
+    return {"feedback": topic, "configs": f"{topic}.configs", "versions": f"{topic}.versions",
+            "dlq": f"{topic}.dlq"}
+
+
+class StackGateway:
+    """The stack as the control plane sees it.
+
+    `job_args` are the arguments of every submitted job besides its topics and name (base
+    model, artifact directory, extra options). One Kafka producer is shared by all requests
+    and closed by `close()`.
+    """
+
+    def __init__(self, stack: StackConfig, job_script: Path, job_args: list[str], flink_timeout_s: float):
+        self.stack = stack
+        self.job_script = job_script
+        self.job_args = job_args
+        self.flink_timeout_s = flink_timeout_s
+        self._producer: Optional[KafkaProducer] = None
+        self._producer_lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+
+    # ------------------------------------------------------------ Flink
+
+    def job_state(self, job_id: str) -> str:
+        """Flink's state of the job; UNKNOWN when the cluster does not know the job."""
+        return self._flink_get(f"/jobs/{job_id}").get("state", "UNKNOWN")
+
+    def live_job(self, topic: str, known_job_id: Optional[str]) -> Optional[str]:
+        """The id of a live job serving `topic`: `known_job_id` (the jobs file's), else one
+        named streamtune-<topic>."""
+        if known_job_id and self.job_state(known_job_id) in LIVE_STATES:
+            return known_job_id
+        for job in self._flink_get("/jobs/overview").get("jobs", []):
+            if job.get("name") == job_name(topic) and job.get("state") in LIVE_STATES:
+                return job["jid"]
+        return None
+
+    def submit_job(self, topic: str) -> str:
+        """Create the job's topics and submit a job that trains from `topic`; answers its id."""
+        topics = job_topics(topic)
+        try:
+            for t in topics.values():
+                create_topic(self.stack.kafka_bootstrap, t)
+        except Exception as e:
+            raise StackUnavailable(f"Kafka not reachable at {self.stack.kafka_bootstrap}: {type(e).__name__}: {e}")
+        args = ["--bootstrap", self.stack.kafka_bootstrap, "--feedback-topic", topics["feedback"],
+                "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
+                "--dlq-topic", topics["dlq"], "--job-name", job_name(topic), *self.job_args]
+        try:
+            return submit_detached(self.stack, self.job_script, args)
+        except FLINK_CLI_ERRORS as e:
+            raise StackUnavailable(f"submitting the job to Flink failed: {str(e).strip().splitlines()[0][:300]}")
+
+    def stop_with_savepoint(self, job_id: str) -> Optional[str]:
+        """`flink stop` with a savepoint under <data_dir>/flink/savepoints; answers the
+        savepoint's path, None when flink did not print it."""
+        target = str(self.stack.data_dir / "flink" / "savepoints")
+        try:
+            r = flink_cli(self.stack, "stop", "--savepointPath", target, job_id, timeout=self.flink_timeout_s)
+        except FLINK_CLI_ERRORS as e:
+            raise StackUnavailable(f"flink stop failed: {type(e).__name__}: {e}")
+        if r.returncode != 0:
+            tail = (r.stdout + r.stderr).strip().splitlines()
+            raise StackUnavailable(f"flink stop failed: {tail[-1][:300] if tail else r.returncode}")
+        m = re.search(r"Savepoint completed\. Path: (\S+)", r.stdout)
+        return m.group(1) if m else None
+
+    def _flink_get(self, path: str) -> dict:
+        """GET from Flink's REST API; {} for 404."""
+        url = self.stack.flink_rest_url
+        try:
+            r = requests.get(f"{url}{path}", timeout=5)
+        except requests.RequestException as e:
+            raise StackUnavailable(f"Flink cluster not reachable at {url}: {type(e).__name__}")
+        if r.status_code == 404:
+            return {}
+        if r.status_code >= 400:
+            raise StackUnavailable(f"Flink REST {path} answered {r.status_code}")
+        return r.json()
+
+    # ------------------------------------------------------------ Kafka
+
+    def produce(self, topic: str, records: Iterable[tuple[str, Message, int]]) -> None:
+        """Send (key, message, timestamp ms) records; returns once Kafka acknowledged them all."""
+        producer = self._kafka_producer()
+        try:
+            futures = [producer.send(topic, key=key.encode(), value=message.to_json().encode(), timestamp_ms=ts)
+                       for key, message, ts in records]
+            producer.flush(timeout=30)
+            for f in futures:
+                f.get(timeout=30)
+        except Exception as e:
+            raise StackUnavailable(f"producing to Kafka topic {topic} failed: {type(e).__name__}: {e}")
+
+    def end_offsets(self, topic: str) -> Optional[int]:
+        """The topic's end offsets summed over its partitions; None when they cannot be read
+        (status counters are best effort)."""
+        try:
+            consumer = KafkaConsumer(bootstrap_servers=self.stack.kafka_bootstrap, request_timeout_ms=10000)
+        except Exception:
+            return None
+        try:
+            partitions = consumer.partitions_for_topic(topic)
+            if not partitions:
+                return None
+            return sum(consumer.end_offsets([TopicPartition(topic, p) for p in partitions]).values())
+        except Exception:
+            return None
+        finally:
+            consumer.close()
+
+    def _kafka_producer(self) -> KafkaProducer:
+        with self._producer_lock:
+            if self._producer is None:
+                bootstrap = self.stack.kafka_bootstrap
+                try:
+                    self._producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
+                                                   request_timeout_ms=15000, max_block_ms=15000)
+                except Exception as e:
+                    raise StackUnavailable(f"Kafka not reachable at {bootstrap}: {type(e).__name__}: {e}")
+            return self._producer
+
+    # ------------------------------------------------------------ MLflow
+
+    def versions(self, model_id: str) -> list[VersionInfo]:
+        """The model's MLflow versions, oldest first."""
+        client = self._mlflow_client()
+        if self._mlflow(client.get_registered_model, model_id, missing_ok=True) is None:
+            raise MlflowNotFound(f"model {model_id} is not registered in MLflow")
+        found = self._mlflow(client.search_model_versions, f"name = '{model_id}'") or []
+        return [_version_info(mv) for mv in sorted(found, key=lambda mv: int(mv.version))]
+
+    def move_alias(self, model_id: str, alias: str, version: int) -> Optional[int]:
+        """Point the model's `alias` at `version`; answers the version it pointed at before."""
+        client = self._mlflow_client()
+        if self._mlflow(client.get_registered_model, model_id, missing_ok=True) is None:
+            raise MlflowNotFound(f"model {model_id} is not registered in MLflow")
+        if self._mlflow(client.get_model_version, model_id, str(version), missing_ok=True) is None:
+            raise MlflowNotFound(f"model {model_id} has no version {version}")
+        current = self._mlflow(client.get_model_version_by_alias, model_id, alias, missing_ok=True)
+        self._mlflow(client.set_registered_model_alias, model_id, alias, str(version))
+        return int(current.version) if current is not None else None
+
+    def _mlflow_client(self):
+        # Imported here: mlflow takes seconds to import and only the MLflow calls need it.
+        from connectors.mlflow_registry import make_client
+
+        return make_client(self.stack.mlflow_uri)
+
+    def _mlflow(self, call: Callable[..., Any], *args: Any, missing_ok: bool = False) -> Any:
+        """`call(*args)` on an MLflow client; None for a missing model, version or alias when
+        `missing_ok`, MlflowNotFound otherwise."""
+        from mlflow.exceptions import MlflowException
+
+        uri = self.stack.mlflow_uri
+        try:
+            return call(*args)
+        except MlflowException as e:
+            first_line = str(e).splitlines()[0][:300]
+            if getattr(e, "error_code", "") in MLFLOW_NOT_FOUND:
+                if missing_ok:
+                    return None
+                raise MlflowNotFound(f"MLflow: {first_line}")
+            raise StackUnavailable(f"MLflow at {uri} failed: {first_line}")
+        except (requests.RequestException, OSError) as e:
+            raise StackUnavailable(f"MLflow not reachable at {uri}: {type(e).__name__}")
+
+
+def _version_info(mv) -> VersionInfo:
+    """An MLflow model version and the streamtune.* tags the registrar set on it."""
+    tags = mv.tags or {}
+
+    def tag(key: str, cast: Callable[[str], Any] = int) -> Any:
+        try:
+            return cast(tags[f"streamtune.{key}"])
+        except (KeyError, ValueError):
+            return None
+
+    return VersionInfo(version=int(mv.version), aliases=sorted(mv.aliases or []), status=str(mv.status),
+                       run_id=mv.run_id, source=mv.source, created_ms=mv.creation_timestamp,
+                       version_id=tags.get("streamtune.version_id"), seq=tag("seq"),
+                       window_start=tag("window_start"), window_end=tag("window_end"), samples=tag("samples"),
+                       loss_after=tag("loss_after", float))

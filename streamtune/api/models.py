@@ -1,0 +1,176 @@
+"""Request and response bodies of the control plane, and the feedback events it accepts.
+
+Feedback events become feedback samples (core.messages.FeedbackSample):
+
+| event type  | fields                                        | sample                                   |
+|-------------|-----------------------------------------------|------------------------------------------|
+| click       | prompt, completion                            | label accepted, weight 1                 |
+| dwell       | prompt, completion, dwell_seconds             | label accepted, weight min(dwell/10, 3)  |
+| correction  | prompt, corrected_completion (original ignored)| label corrected, completion = corrected, weight 1 |
+
+Every event has event_id (→ sample_id), model_id and ts (epoch ms, → sample ts and the
+Kafka record timestamp).
+
+>>> event = DwellEvent(type="dwell", model_id="bot", event_id="e1", prompt="x=1;y=", completion="2",
+...                    dwell_seconds=5, ts=0)
+>>> to_sample(event).to_json()
+'{"model_id":"bot","sample_id":"e1","prompt":"x=1;y=","completion":"2","label":"accepted","weight":0.5,"ts":0}'
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from core.messages import MODEL_ID, FeedbackSample
+
+DWELL_UNIT_SECONDS = 10.0
+DWELL_MAX_WEIGHT = 3.0
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+class SubmitResponse(BaseModel):
+    job_id: str
+    model_id: str
+    config_version: str = Field(description="the spec hash")
+    submitted: bool = Field(description="true when this request submitted a new Flink job")
+
+
+class VersionInfo(BaseModel):
+    version: int
+    aliases: list[str]
+    status: str
+    run_id: Optional[str] = None
+    source: Optional[str] = None
+    created_ms: Optional[int] = None
+    version_id: Optional[str] = None
+    seq: Optional[int] = None
+    window_start: Optional[int] = None
+    window_end: Optional[int] = None
+    samples: Optional[int] = None
+    loss_after: Optional[float] = None
+
+
+class VersionsResponse(BaseModel):
+    model_id: str
+    versions: list[VersionInfo]
+
+
+class Window(BaseModel):
+    start: int
+    end: int
+
+
+class Counters(BaseModel):
+    in_: Optional[int] = Field(default=None, alias="in", description="feedback topic end offsets (job-wide)")
+    dlq: Optional[int] = Field(default=None, description="DLQ topic end offsets (job-wide, upper bound)")
+    versions: Optional[int] = Field(default=None, description="versions topic end offsets (job-wide, upper bound)")
+    trained_samples: Optional[int] = Field(default=None, description="samples in the model's MLflow versions")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class StatusResponse(BaseModel):
+    model_id: str
+    topic: str
+    job_id: str
+    job_name: str
+    job_state: Optional[str] = Field(description="Flink's job state; null when the cluster is unreachable")
+    config_version: str
+    spec: dict[str, Any]
+    last_window: Optional[Window] = None
+    last_version: Optional[VersionInfo] = None
+    counters: Counters
+
+
+class StopResponse(BaseModel):
+    model_id: str
+    job_id: str
+    job_stopped: bool
+    savepoint: Optional[str] = None
+
+
+class AliasRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    alias: str = Field(default="champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+    version: int = Field(ge=1, le=2**31 - 1)
+
+    @field_validator("alias")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v.lower() == "latest" or re.fullmatch(r"[vV]\d+", v):
+            raise ValueError("'latest' and v<N> are reserved by MLflow")
+        return v
+
+
+class AliasResponse(BaseModel):
+    model_id: str
+    alias: str
+    from_version: Optional[int]
+    to_version: int
+
+
+class Promotion(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    ts: int
+    model_id: str
+    alias: str
+    from_: Optional[int] = Field(alias="from")
+    to: int
+    actor: str
+
+
+class PromotionsResponse(BaseModel):
+    model_id: str
+    promotions: list[Promotion]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(pattern=MODEL_ID)
+    event_id: str = Field(min_length=1, max_length=256, description="becomes the sample_id")
+    prompt: str = Field(max_length=65536)
+    ts: int = Field(ge=0, le=2**53, description="event time, epoch milliseconds")
+
+
+class ClickEvent(_Event):
+    type: Literal["click"]
+    completion: str = Field(min_length=1, max_length=65536)
+
+
+class DwellEvent(_Event):
+    type: Literal["dwell"]
+    completion: str = Field(min_length=1, max_length=65536)
+    dwell_seconds: float = Field(ge=0, le=86400)
+
+
+class CorrectionEvent(_Event):
+    type: Literal["correction"]
+    corrected_completion: str = Field(min_length=1, max_length=65536)
+    original_completion: Optional[str] = Field(default=None, max_length=65536)
+
+
+FeedbackEvent = Annotated[Union[ClickEvent, DwellEvent, CorrectionEvent], Field(discriminator="type")]
+
+
+class FeedbackAccepted(BaseModel):
+    accepted: int
+    topics: dict[str, str] = Field(description="model_id -> feedback topic")
+
+
+def to_sample(event: Union[ClickEvent, DwellEvent, CorrectionEvent]) -> FeedbackSample:
+    """The feedback sample an event becomes (the table above)."""
+    if isinstance(event, CorrectionEvent):
+        completion, label, weight = event.corrected_completion, "corrected", 1.0
+    elif isinstance(event, DwellEvent):
+        completion, label = event.completion, "accepted"
+        weight = min(event.dwell_seconds / DWELL_UNIT_SECONDS, DWELL_MAX_WEIGHT)
+    else:
+        completion, label, weight = event.completion, "accepted", 1.0
+    return FeedbackSample(model_id=event.model_id, sample_id=event.event_id, prompt=event.prompt,
+                          completion=completion, label=label, weight=weight, ts=event.ts)

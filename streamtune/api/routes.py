@@ -1,0 +1,279 @@
+"""The endpoints of the control plane.
+
+| endpoint                                | auth            | what it does                                  |
+|-----------------------------------------|-----------------|-----------------------------------------------|
+| POST   /v1/stream-finetune              | bearer          | submit a job for the spec's topic, or hot-update |
+| GET    /v1/stream-finetune/{model_id}   | read_auth       | job state, spec hash in force, last version, counters |
+| DELETE /v1/stream-finetune/{model_id}   | bearer          | forget the model; last model: stop job with savepoint |
+| GET    /v1/models/{model_id}/versions   | read_auth       | MLflow versions                               |
+| POST   /v1/models/{model_id}/aliases    | bearer          | move an alias (promote / roll back), logged   |
+| GET    /v1/models/{model_id}/promotions | read_auth       | the promotion log of that model               |
+| POST   /v1/feedback                     | bearer          | click / dwell / correction events → feedback topic |
+
+Jobs. One Flink job per Kafka source topic T, named `streamtune-T`, reading feedback from T
+and configs from `T.configs`, writing versions to `T.versions` and dead letters to `T.dlq`.
+A spec is idempotent by (model_id, spec hash): posting the spec in force again returns 200
+with the first answer and publishes nothing. Only `kafka://` sources can be submitted here:
+`postgres://` and `mongodb://` sources get 501, because a CDC job also needs a capture
+process and a mapping file (README "CDC"): run `streamtune cdc`, submit
+`jobs/cdc_retrain.py` and publish the spec to that job's config topic.
+
+Errors from the stack (Flink cluster, Kafka, MLflow unreachable or failing) are answered
+with a documented 503 and a one-line `detail`; nothing is recorded in that case.
+
+Counters (GET status): `in` and `dlq` are the end offsets of the job's feedback and DLQ
+topics summed over partitions (job-wide, not per model; the DLQ is written transactionally,
+so its offsets also count transaction markers: an upper bound); `versions` is the end
+offset of the versions topic (same caveat); `trained_samples` is the sum of the `samples`
+tag over the model's MLflow versions (per model, exact for registered versions).
+
+Feedback. Events become feedback samples as `streamtune.api.models` describes. A request
+holds one event or a JSON array of at most `max_feedback_batch` events (413 beyond); every
+model must have a registered spec (404 otherwise) and nothing is produced unless the whole
+request is valid.
+"""
+
+import hmac
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Optional, Union
+
+from fastapi import APIRouter, Body, Depends, HTTPException, Path as PathParam, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import Field
+
+from core.messages import MODEL_ID, FinetuneSpec
+
+from .gateway import LIVE_STATES, MlflowNotFound, StackGateway, StackUnavailable, job_name, job_topics
+from .jobs_file import JobsFile, PromotionLog
+from .models import (AliasRequest, AliasResponse, Counters, ErrorBody, FeedbackAccepted, FeedbackEvent, Promotion,
+                     PromotionsResponse, StatusResponse, StopResponse, SubmitResponse, VersionsResponse, Window,
+                     to_sample)
+
+
+@dataclass
+class ControlPlane:
+    """What the routes work with; create_app keeps one in `app.state.control_plane`."""
+
+    gateway: StackGateway
+    jobs: JobsFile
+    promotions: PromotionLog
+    token: Optional[str]
+    read_auth: bool
+    max_feedback_batch: int
+    # Submitting and stopping read, change and write the jobs file: one at a time.
+    jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def control_plane(request: Request) -> ControlPlane:
+    return request.app.state.control_plane
+
+
+Plane = Annotated[ControlPlane, Depends(control_plane)]
+
+
+def _answer(status: int):
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    return handler
+
+
+# The gateway's errors and their answers (documented per route below).
+EXCEPTION_HANDLERS = {StackUnavailable: _answer(503), MlflowNotFound: _answer(404)}
+
+# ---------------------------------------------------------------- auth
+
+bearer = HTTPBearer(auto_error=False, description="STREAMTUNE_API_TOKEN")
+Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(bearer)]
+
+
+def _check_token(token: Optional[str], creds: Optional[HTTPAuthorizationCredentials]) -> str:
+    if not token or creds is None or creds.scheme.lower() != "bearer" or \
+            not hmac.compare_digest(creds.credentials.encode(), token.encode()):
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return "token"
+
+
+def require_write(plane: Plane, creds: Credentials) -> str:
+    """The caller (the actor in the promotion log); 401 without the token."""
+    return _check_token(plane.token, creds)
+
+
+def require_read(plane: Plane, creds: Credentials) -> str:
+    """The caller; 401 without the token when read auth is on."""
+    return _check_token(plane.token, creds) if plane.read_auth else "anonymous"
+
+
+Writer = Annotated[str, Depends(require_write)]
+Reader = Annotated[str, Depends(require_read)]
+
+# ---------------------------------------------------------------- documented error answers
+
+
+def _err(status: int, description: str) -> dict:
+    return {status: {"model": ErrorBody, "description": description}}
+
+
+AUTH_ERR = _err(401, "missing or wrong bearer token")
+STACK_ERR = _err(503, "the Flink cluster, Kafka or MLflow is not reachable or failed")
+NOT_FOUND = _err(404, "no such model")
+TOO_LARGE = _err(413, "request body or batch too large")
+BAD_BODY = _err(400, "the body cannot be parsed (not UTF-8 JSON)")
+
+# ---------------------------------------------------------------- endpoints
+
+router = APIRouter()
+ModelIdPath = Annotated[str, PathParam(pattern=MODEL_ID)]
+
+
+@router.post("/v1/stream-finetune", status_code=202, response_model=SubmitResponse,
+             responses={200: {"model": SubmitResponse, "description": "the same spec is already in force"},
+                        **AUTH_ERR, **BAD_BODY, **_err(409, "the model is registered on another source topic"),
+                        **TOO_LARGE, **_err(501, "CDC sources (postgres, mongodb) are not submitted through the API"),
+                        **STACK_ERR})
+def submit(spec: FinetuneSpec, actor: Writer, plane: Plane):
+    topic = spec.kafka_topic
+    if topic is None:
+        raise HTTPException(501, f"stream_source {spec.stream_source.split(':', 1)[0]}:// is not implemented "
+                                 "in the API: CDC sources need `streamtune cdc` and jobs/cdc_retrain.py with a "
+                                 "mapping file (README, CDC); publish the spec to that job's config topic")
+    spec_hash = spec.spec_hash()
+    with plane.jobs_lock:
+        data = plane.jobs.load()
+        entry = data["models"].get(spec.model_id)
+        if entry and entry["spec_hash"] == spec_hash:
+            return JSONResponse(entry["response"], status_code=200)
+        if entry and entry["topic"] != topic:
+            raise HTTPException(409, f"model {spec.model_id} is trained from topic {entry['topic']}; "
+                                     "DELETE it first to move it to another source")
+        job_id = plane.gateway.live_job(topic, data["jobs"].get(topic, {}).get("job_id"))
+        submitted = job_id is None
+        if submitted:
+            job_id = plane.gateway.submit_job(topic)
+            data["jobs"][topic] = {"job_id": job_id, "job_name": job_name(topic), "topics": job_topics(topic),
+                                   "submitted_at": _now_ms()}
+        else:
+            job = data["jobs"].setdefault(topic, {"job_name": job_name(topic), "topics": job_topics(topic),
+                                                  "submitted_at": None})
+            job["job_id"] = job_id
+        now = _now_ms()
+        try:
+            plane.gateway.produce(job_topics(topic)["configs"], [(spec.model_id, spec, now)])
+        except StackUnavailable:
+            if submitted:  # record the job so a retry hot-updates it instead of submitting another
+                plane.jobs.save(data)
+            raise
+        response = SubmitResponse(job_id=job_id, model_id=spec.model_id, config_version=spec_hash,
+                                  submitted=submitted).model_dump()
+        data["models"][spec.model_id] = {"topic": topic, "spec": spec.model_dump(mode="json"),
+                                         "spec_hash": spec_hash, "job_id": job_id, "response": response,
+                                         "registered_at": now}
+        plane.jobs.save(data)
+        return JSONResponse(response, status_code=202)
+
+
+@router.get("/v1/stream-finetune/{model_id}", response_model=StatusResponse,
+            responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR})
+def status(model_id: ModelIdPath, actor: Reader, plane: Plane):
+    data = plane.jobs.load()
+    entry = _model_entry(data, model_id)
+    topic = entry["topic"]
+    job_id = _job_id(data, entry)
+    try:
+        job_state = plane.gateway.job_state(job_id)
+    except StackUnavailable:
+        job_state = None
+    try:
+        versions = plane.gateway.versions(model_id)
+    except (StackUnavailable, MlflowNotFound):
+        versions = []
+    last = versions[-1] if versions else None
+    topics = data["jobs"].get(topic, {}).get("topics") or job_topics(topic)
+    counters = Counters(in_=plane.gateway.end_offsets(topics["feedback"]),
+                        dlq=plane.gateway.end_offsets(topics["dlq"]),
+                        versions=plane.gateway.end_offsets(topics["versions"]),
+                        trained_samples=sum(v.samples or 0 for v in versions) if versions else None)
+    window = Window(start=last.window_start, end=last.window_end) \
+        if last and last.window_start is not None and last.window_end is not None else None
+    return StatusResponse(model_id=model_id, topic=topic, job_id=job_id, job_name=job_name(topic),
+                          job_state=job_state, config_version=entry["spec_hash"], spec=entry["spec"],
+                          last_window=window, last_version=last, counters=counters)
+
+
+@router.delete("/v1/stream-finetune/{model_id}", response_model=StopResponse,
+               responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR})
+def stop(model_id: ModelIdPath, actor: Writer, plane: Plane):
+    with plane.jobs_lock:
+        data = plane.jobs.load()
+        entry = _model_entry(data, model_id)
+        topic = entry["topic"]
+        job_id = _job_id(data, entry)
+        stopped, savepoint = False, None
+        if not any(e["topic"] == topic for m, e in data["models"].items() if m != model_id):
+            if plane.gateway.job_state(job_id) in LIVE_STATES:
+                savepoint, stopped = plane.gateway.stop_with_savepoint(job_id), True
+            data["jobs"].pop(topic, None)
+        del data["models"][model_id]
+        plane.jobs.save(data)
+        return StopResponse(model_id=model_id, job_id=job_id, job_stopped=stopped, savepoint=savepoint)
+
+
+@router.get("/v1/models/{model_id}/versions", response_model=VersionsResponse,
+            responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR})
+def versions(model_id: ModelIdPath, actor: Reader, plane: Plane):
+    return VersionsResponse(model_id=model_id, versions=plane.gateway.versions(model_id))
+
+
+@router.post("/v1/models/{model_id}/aliases", response_model=AliasResponse,
+             responses={**AUTH_ERR, **BAD_BODY, **_err(404, "no such model or version"), **TOO_LARGE, **STACK_ERR})
+def move_alias(model_id: ModelIdPath, body: AliasRequest, actor: Writer, plane: Plane):
+    from_version = plane.gateway.move_alias(model_id, body.alias, body.version)
+    plane.promotions.append(model_id, body.alias, from_version, body.version, actor)
+    return AliasResponse(model_id=model_id, alias=body.alias, from_version=from_version, to_version=body.version)
+
+
+@router.get("/v1/models/{model_id}/promotions", response_model=PromotionsResponse,
+            responses={**AUTH_ERR})
+def promotion_log(model_id: ModelIdPath, actor: Reader, plane: Plane):
+    return PromotionsResponse(model_id=model_id,
+                              promotions=[Promotion.model_validate(e) for e in plane.promotions.entries(model_id)])
+
+
+@router.post("/v1/feedback", status_code=202, response_model=FeedbackAccepted,
+             responses={**AUTH_ERR, **BAD_BODY, **_err(404, "a model has no registered spec"), **TOO_LARGE,
+                        **STACK_ERR})
+def feedback(body: Annotated[Union[FeedbackEvent, Annotated[list[FeedbackEvent], Field(min_length=1)]], Body()],
+             actor: Writer, plane: Plane):
+    events = body if isinstance(body, list) else [body]
+    if len(events) > plane.max_feedback_batch:
+        raise HTTPException(413, f"{len(events)} events exceed the batch limit of {plane.max_feedback_batch}")
+    models = plane.jobs.load()["models"]
+    missing = sorted({e.model_id for e in events} - set(models))
+    if missing:
+        raise HTTPException(404, f"no registered spec for model(s) {', '.join(missing[:5])}")
+    by_topic: dict[str, list] = {}
+    for e in events:
+        by_topic.setdefault(models[e.model_id]["topic"], []).append((e.model_id, to_sample(e), e.ts))
+    for topic, records in by_topic.items():
+        plane.gateway.produce(topic, records)
+    return FeedbackAccepted(accepted=len(events), topics={e.model_id: models[e.model_id]["topic"] for e in events})
+
+
+def _model_entry(data: dict, model_id: str) -> dict:
+    """The jobs file's entry of the model; 404 when it has none."""
+    entry = data["models"].get(model_id)
+    if entry is None:
+        raise HTTPException(404, f"model {model_id} has no registered spec")
+    return entry
+
+
+def _job_id(data: dict, entry: dict) -> str:
+    """The id of the job serving the model: its topic's job on record, else the model's own."""
+    return data["jobs"].get(entry["topic"], {}).get("job_id", entry["job_id"])
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
