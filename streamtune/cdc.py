@@ -35,14 +35,13 @@ import importlib
 import json
 import logging
 import signal
-import sys
 import time
 
 from kafka import KafkaProducer
 
 from connectors.kafka import create_topic, read_to_end
 from core import defaults
-from core.errors import CaptureError, StreamtuneError
+from core.errors import CaptureError
 from core.messages import ChangeEnvelope
 from core.sources import SourceKind, source_for
 
@@ -170,21 +169,17 @@ def add_parser(sub) -> None:
 
 
 def cmd_cdc(args: argparse.Namespace) -> int:
+    """Errors (a bad --source, a missing table, a lost resume token) raise CaptureError: exit 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     try:
-        try:
-            source = source_for(args.source, args.name)
-        except ValueError as e:
-            raise CaptureError(str(e)) from None
-        if args.snapshot and not source.snapshots:
-            raise CaptureError(f"--snapshot: {source.scheme}:// sources cannot read existing rows; their capture "
-                               "starts with the changes after its first start")
-        capture = Capture(source, args.bootstrap or defaults.kafka_bootstrap(), args.topic or source.default_topic,
-                          args.offsets_topic, snapshot=args.snapshot, max_batch=args.max_batch,
-                          linger_ms=args.linger_ms)
-        capture.run(capture_loop(source, capture.linger_s))
-    except StreamtuneError as e:
-        print(f"streamtune cdc: {e}", file=sys.stderr)
-        return e.exit_code
+        source = source_for(args.source, args.name)
+    except ValueError as e:
+        raise CaptureError(str(e)) from None
+    if args.snapshot and not source.snapshots:
+        raise CaptureError(f"--snapshot: {source.scheme}:// sources cannot read existing rows; their capture "
+                           "starts with the changes after its first start")
+    capture = Capture(source, args.bootstrap or defaults.kafka_bootstrap(), args.topic or source.default_topic,
+                      args.offsets_topic, snapshot=args.snapshot, max_batch=args.max_batch, linger_ms=args.linger_ms)
+    capture.run(capture_loop(source, capture.linger_s))
     return 0

@@ -1,11 +1,18 @@
-"""The `streamtune` command line."""
+"""The `streamtune` command line.
+
+Errors are one line on stderr, `streamtune: <what is wrong>`, with the exit codes of
+core/errors.py: 0 success, 1 a check failed (e.g. an unhealthy stack), 2 bad usage,
+configuration or input, 3 a service is unreachable, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .stack import Stack, StackConfig, StackError
+from core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, StreamtuneError
+
+from .stack import Stack, StackConfig
 
 
 def _stack_config(args: argparse.Namespace) -> StackConfig:
@@ -35,7 +42,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         statuses = stack.status()
     for s in statuses:
         print(s.line())
-    return 0 if all(s.healthy for s in statuses) else 1
+    return EXIT_OK if all(s.healthy for s in statuses) else EXIT_CHECK_FAILED
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -69,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except StackError as e:
+    except StreamtuneError as e:
         print(f"streamtune: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -55,26 +55,11 @@ class SourceKind:
         rest = urlencode({k: v for k, v in self.query.items() if k not in drop}, doseq=True)
         return urlunsplit((scheme or parts.scheme, parts.netloc, parts.path, rest, ""))
 
-    # -- change events of this kind (connector is not None) --------------------------------
-    @classmethod
-    def table_of(cls, source: Any) -> str:
-        raise NotImplementedError
-
-    @classmethod
-    def change_source_id(cls, source: Any) -> str:
-        raise NotImplementedError
-
-    @classmethod
-    def position(cls, source: Any) -> tuple:
-        raise NotImplementedError
-
-    @classmethod
-    def position_text(cls, source: Any) -> str:
-        raise NotImplementedError
-
-    @classmethod
-    def lineage(cls, source: Any) -> dict[str, Any]:
-        raise NotImplementedError
+    # Kinds with a `connector` also answer, as classmethods over a change event's `source`
+    # (core.messages.ChangeSource): table_of -> "db.schema.table" or "db.collection";
+    # change_source_id -> the spec source id it feeds; position -> a tuple that orders one
+    # source's changes; position_text -> the same for people; lineage -> what version lineage
+    # records (LSNs, resume token). See core/sources/postgres.py.
 
 
 def register_source_kind(cls: type[SourceKind]) -> type[SourceKind]:

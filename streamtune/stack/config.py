@@ -25,11 +25,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-
-def _default_home() -> Path:
-    if os.geteuid() == 0:
-        return Path("/var/lib/streamtune")
-    return Path.home() / ".local" / "state" / "streamtune"
+from core import defaults
 
 
 @dataclass(frozen=True)
@@ -67,7 +63,7 @@ class StackConfig:
             if raw is None:
                 continue
             values[f.name] = int(raw) if f.type == "int" else raw
-        home = Path(values.pop("home", None) or _default_home()).expanduser().resolve()
+        home = Path(values.pop("home", None) or defaults.home({})).expanduser().resolve()
         data_dir = Path(values.pop("data_dir", None) or home / "data").expanduser().resolve()
         return cls(home=home, data_dir=data_dir, **values)
 

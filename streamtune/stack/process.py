@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from core.errors import StreamtuneError
 
-class StackError(RuntimeError):
-    """A component cannot be started or is missing; the message says what to do."""
+
+class StackError(StreamtuneError):
+    """A component cannot be started or is missing; the message says what to do (exit 2)."""
 
 
 def spawn(cmd: list[str], log_file: Path, pid_file: Path, env: dict | None = None,
