@@ -100,7 +100,10 @@ class ChangeEnvelope(Message):
             raise InvalidMessage("not_a_change_event", e.detail) from None
 
     def to_json(self) -> str:
-        return self.model_dump_json(by_alias=True, exclude_none=True)
+        """Debezium's shape: `before` and `after` always present (null when absent)."""
+        return json.dumps({"before": self.before, "after": self.after,
+                           **self.model_dump(mode="json", by_alias=True, exclude_none=True)},
+                          separators=(",", ":"), default=str)
 
     @property
     def image(self) -> Optional[dict[str, Any]]:
