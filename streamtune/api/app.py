@@ -58,7 +58,7 @@ class ApiSettings:
         self.jobs_file = Path(self.jobs_file or s.home / "api" / "jobs.json")
         self.promotion_log = Path(self.promotion_log or s.home / "api" / "promotions.jsonl")
         if self.max_body_bytes < 1 or self.max_feedback_batch < 1:
-            raise ValueError("max_body_bytes and max_feedback_batch must be >= 1")
+            raise ConfigError("max_body_bytes and max_feedback_batch must be >= 1")
 
     @classmethod
     def from_env(cls, token_file: Optional[str] = None, **kwargs) -> "ApiSettings":
