@@ -17,6 +17,7 @@ import pymongo
 import pytest
 from kafka import KafkaProducer
 
+from core.messages import ChangeEnvelope, ChangeOrigin, DeadLetter, VersionRecord
 from streamtune.testing import CaptureProcess, cdc_spec, psql
 from connectors.kafka import create_topic, read_topic
 from streamtune.testing import wait_for_records
@@ -43,14 +44,19 @@ def retrain_job(topics: dict, mapping: dict, base_model, tmp: Path, bootstrap: s
     return LocalJob(args, tmp / "checkpoints", tmp / "job.log", module="jobs.cdc_retrain")
 
 
-def versions_of(records: list[dict], model_id: str) -> list[dict]:
+def versions_of(records: list[VersionRecord], model_id: str) -> list[VersionRecord]:
     """Distinct versions of a model (Tansu can show a version of an aborted transaction twice)."""
-    by_id = {r["version_id"]: r for r in records if r["model_id"] == model_id}
-    return sorted(by_id.values(), key=lambda r: r["seq"])
+    by_id = {r.version_id: r for r in records if r.model_id == model_id}
+    return sorted(by_id.values(), key=lambda r: r.seq)
 
 
-def row_ids(version: dict) -> list[int]:
-    return sorted(int(json.loads(o["row_key"].rsplit("/", 1)[1])["id"]) for o in version["lineage"]["origins"])
+def row_key_of(origin: ChangeOrigin) -> dict:
+    """The primary key a lineage origin names (its row key's last part, as JSON)."""
+    return json.loads(origin.row_key.rsplit("/", 1)[1])
+
+
+def row_ids(version: VersionRecord) -> list[int]:
+    return sorted(int(row_key_of(o)["id"]) for o in version.lineage.origins)
 
 
 @pytest.fixture(scope="module")
@@ -111,31 +117,32 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         psql(dsn, f"INSERT INTO {answers} VALUES (9, '{pg_model}', 'x=9;y=', '10', 'approved')")
         mongo[db].reviews.insert_one({"_id": 9, "text": "review 9", "reply": {"body": "thanks 9"}})
 
-        versions = wait_for_records(boot, topics["versions"], 2, 120)
+        versions = wait_for_records(boot, topics["versions"], VersionRecord, 2, 120)
         assert job.running(), (tmp_path / "job.log").read_text()[-3000:]
         first = versions_of(versions, pg_model)[0]
         assert row_ids(first) == [1, 3, 4, 5, 6]
-        by_row = {json.loads(o["row_key"].rsplit("/", 1)[1])["id"]: o for o in first["lineage"]["origins"]}
-        assert by_row[1]["op"] == "u" and all(by_row[i]["op"] == "c" for i in (3, 4, 5, 6))
-        assert all(LSN.match(o["commit_lsn"]) and LSN.match(o["lsn"]) for o in by_row.values())
+        by_row = {row_key_of(o)["id"]: o for o in first.lineage.origins}
+        assert by_row[1].op == "u" and all(by_row[i].op == "c" for i in (3, 4, 5, 6))
+        assert all(LSN.match(o.commit_lsn) and LSN.match(o.lsn) for o in by_row.values())
         m_first = versions_of(versions, mongo_model)[0]
-        assert len(m_first["lineage"]["origins"]) == 4
-        assert all(len(o["resume_token"]) > 16 for o in m_first["lineage"]["origins"])
+        assert len(m_first.lineage.origins) == 4
+        assert all(len(o.resume_token) > 16 for o in m_first.lineage.origins)
 
         # Row 3 is deleted after training; then a policy change forces row 9 below min_samples.
         psql(dsn, f"DELETE FROM {answers} WHERE id = 3")
         psql(dsn, f"INSERT INTO {policies} VALUES (1, 'be brief')")
-        versions = wait_for_records(boot, topics["versions"], 1, 120,
-                                    predicate=lambda r: r["model_id"] == pg_model and r["trigger"] == "forced")
+        versions = wait_for_records(boot, topics["versions"], VersionRecord, 1, 120,
+                                    predicate=lambda r: r.model_id == pg_model and r.trigger == "forced")
         forced = versions[0]
         assert row_ids(forced) == [9]
-        assert [json.loads(r["row_key"].rsplit("/", 1)[1])["id"] for r in forced["lineage"]["retracted"]] == [3]
-        assert "policy changed" in json.dumps(forced) or forced["trigger"] == "forced"
+        assert [row_key_of(r)["id"] for r in forced.lineage.retracted] == [3]
+        assert "policy changed" in forced.to_json() or forced.trigger == "forced"
 
-        dlq = wait_for_records(boot, topics["dlq"], 2, 60)
-        assert sorted(d["reason"] for d in dlq) == ["not_a_change_event", "unmappable"]
-        unmappable = next(d for d in dlq if d["reason"] == "unmappable")
-        assert "'a' is missing or null" in unmappable["detail"] and json.loads(unmappable["payload"])["after"]["id"] == 8
+        dlq = wait_for_records(boot, topics["dlq"], DeadLetter, 2, 60)
+        assert sorted(d.reason for d in dlq) == ["not_a_change_event", "unmappable"]
+        unmappable = next(d for d in dlq if d.reason == "unmappable")
+        assert "'a' is missing or null" in unmappable.detail
+        assert ChangeEnvelope.from_json(unmappable.payload).after["id"] == 8
 
         # The registrar puts them in MLflow; the lineage artifact names the LSNs and tokens.
         config = RegistrarConfig(bootstrap=boot, tracking_uri=stack_config.mlflow_uri,
@@ -216,7 +223,7 @@ def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config
         # PostgreSQL does when a confirmation was lost: the job must drop them.
         for topic in ("pg", "mongo"):
             records = read_topic(boot, topics[topic], read_committed=False, idle=2.0)
-            ids = {json.loads(r.value)["after"]["_id" if topic == "mongo" else "id"] for r in records}
+            ids = {ChangeEnvelope.from_json(r.value).after["_id" if topic == "mongo" else "id"] for r in records}
             assert set(range(1, n + 2)) <= ids, f"{topic}: changes lost: {sorted(set(range(1, n + 2)) - ids)[:10]}"
             again = KafkaProducer(bootstrap_servers=boot, acks="all")
             for r in records[:50]:
@@ -225,9 +232,9 @@ def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config
             again.close()
 
         def trained(model: str) -> list[int]:
-            versions = versions_of(wait_for_records(boot, topics["versions"], 1, 5), model)
-            return sorted(int(json.loads(o["row_key"].rsplit("/", 1)[1]).get("id", json.loads(
-                o["row_key"].rsplit("/", 1)[1]).get("_id"))) for v in versions for o in v["lineage"]["origins"])
+            versions = versions_of(wait_for_records(boot, topics["versions"], VersionRecord, 1, 5), model)
+            return sorted(int(row_key_of(o).get("id", row_key_of(o).get("_id")))
+                          for v in versions for o in v.lineage.origins)
 
         def written_rows_trained(model: str) -> list[int]:  # the closer may train too, once the watermark moves
             return [i for i in trained(model) if i <= n]
@@ -265,12 +272,12 @@ def test_awkward_tables_get_clear_messages(stack_config, tmp_path):
         psql(dsn, f"INSERT INTO {keyless} VALUES ('p', 'c'), ('p', 'c')")
         # The application's UPDATE on the keyless table still works (we publish only its inserts).
         psql(dsn, f"UPDATE {keyless} SET a = 'c2'")
-        events = [json.loads(r.value) for r in read_topic(boot, topic, expect=5, timeout=30)]
+        events = [ChangeEnvelope.from_json(r.value) for r in read_topic(boot, topic, expect=5, timeout=30)]
         assert capture.alive()
-        assert [e["after"] for e in events if e["source"]["table"] == keyed] == [
+        assert [e.after for e in events if e.source.table == keyed] == [
             {"id": 1, "q": "before"}, {"id": 2, "q": "after", "label": "x"}, {"id": 1, "q": "changed", "label": "new"}]
-        keyless_events = [e for e in events if e["source"]["table"] == keyless]
-        assert [e["op"] for e in keyless_events] == ["c", "c"] and keyless_events[0]["key_fields"] == ["q", "a"]
+        keyless_events = [e for e in events if e.source.table == keyless]
+        assert [e.op for e in keyless_events] == ["c", "c"] and keyless_events[0].key_fields == ["q", "a"]
         log = capture.log()
         assert f"table public.{keyless} has no primary key: capturing its INSERTs only" in log
         assert "REPLICA IDENTITY FULL" in log
@@ -317,8 +324,8 @@ def test_snapshot_then_stream_and_idle_heartbeats(stack_config, tmp_path):
     try:
         capture.wait_for_log("snapshot of")
         psql(dsn, f"INSERT INTO {table} VALUES (3, 'new')")
-        events = [json.loads(r.value) for r in read_topic(boot, topic, expect=3, timeout=30)]
-        assert [(e["op"], e["after"]["id"], e["source"]["snapshot"]) for e in events] == [
+        events = [ChangeEnvelope.from_json(r.value) for r in read_topic(boot, topic, expect=3, timeout=30)]
+        assert [(e.op, e.after["id"], e.source.snapshot) for e in events] == [
             ("r", 1, "true"), ("r", 2, "true"), ("c", 3, "false")]
         confirmed = psql(dsn, f"SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}'")
         # WAL written elsewhere only: the keepalive position is confirmed while nothing is in flight.
@@ -357,8 +364,8 @@ def test_mongo_pre_images_and_drop_recreate(stack_config, mongo, tmp_path):
         mongo[db].drop_collection("c")
         capture.wait_for_log("drop event")
         mongo[db].c.insert_one({"_id": 2, "v": "again"})
-        events = [json.loads(r.value) for r in read_topic(boot, topic, expect=3, timeout=30)]
-        assert [(e["op"], e["before"], e["after"]) for e in events] == [
+        events = [ChangeEnvelope.from_json(r.value) for r in read_topic(boot, topic, expect=3, timeout=30)]
+        assert [(e.op, e.before, e.after) for e in events] == [
             ("c", None, {"_id": 1, "v": "a"}), ("u", {"_id": 1, "v": "a"}, {"_id": 1, "v": "b"}),
             ("c", None, {"_id": 2, "v": "again"})]
         assert capture.alive()

@@ -9,7 +9,6 @@ restored job produces, which is what makes the idempotent registrar correct on i
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -17,6 +16,7 @@ from collections import defaultdict
 
 import pytest
 
+from core.messages import VersionRecord
 from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import LocalJob
@@ -41,7 +41,8 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
     send_config(stack_config.kafka_bootstrap, topics["configs"],
                 spec(model_id, topics, min_samples=10, window_seconds=WINDOW_MS // 1000), T0)
     samples = digit_samples(model_id, digit_pairs(SAMPLES, seed=11), T0, WINDOW_MS / PER_WINDOW)
-    closer = [dict(samples[0], sample_id="closer", ts=T0 + SAMPLES // PER_WINDOW * WINDOW_MS + WINDOW_MS)]
+    closer = [samples[0].model_copy(update={"sample_id": "closer",
+                                             "ts": T0 + SAMPLES // PER_WINDOW * WINDOW_MS + WINDOW_MS})]
 
     def produce():  # a live stream: a window's worth of samples every 2 s of wall time
         for i in range(0, SAMPLES, PER_WINDOW):
@@ -61,30 +62,32 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
         for _ in range(3):
             # Kill mid-stream: once this run has emitted a new version (start-up takes ~7 s),
             # at a random point within the next 3 s, while transactions are open.
-            fresh = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], emitted + 1, timeout=90,
-                                     read_committed=False)
+            fresh = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], VersionRecord, emitted + 1,
+                                     timeout=90, read_committed=False)
             assert len(fresh) > emitted and job.running(), (tmp_path / "job.log").read_text()[-3000:]
             time.sleep(rng.uniform(0.0, 3.0))
             job.kill()
-            emitted = len(wait_for_records(stack_config.kafka_bootstrap, topics["versions"], 0, 0,
+            emitted = len(wait_for_records(stack_config.kafka_bootstrap, topics["versions"], VersionRecord, 0, 0,
                                            read_committed=False))
             restored_from.append(job.restart_from_latest())
         producer.join(timeout=120)
         expected = SAMPLES // PER_WINDOW
-        committed = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], expected, timeout=240)
-        assert len({v["version_id"] for v in committed}) == expected, (tmp_path / "job.log").read_text()[-3000:]
+        committed = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], VersionRecord, expected,
+                                     timeout=240)
+        assert len({v.version_id for v in committed}) == expected, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         job.kill()
     assert any(restored_from), "at least one restart restored a completed checkpoint"
 
     # Everything on the topic, aborted transactions included: duplicates must be identical.
-    everything = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], 0, 0, read_committed=False)
+    everything = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], VersionRecord, 0, 0,
+                                  read_committed=False)
     by_id, by_seq = defaultdict(list), defaultdict(set)
     for v in everything:
-        by_id[v["version_id"]].append(v)
-        by_seq[v["seq"]].add(v["version_id"])
+        by_id[v.version_id].append(v)
+        by_seq[v.seq].add(v.version_id)
     for version_id, copies in by_id.items():
-        assert {(c["sha256"], c["seq"], json.dumps(c["lineage"], sort_keys=True)) for c in copies} \
+        assert {(c.sha256, c.seq, c.lineage.to_json()) for c in copies} \
             .__len__() == 1, f"replayed {version_id} differs from its leaked copy"
     assert all(len(ids) == 1 for ids in by_seq.values()), "one version per sequence number"
     print(f"{len(everything) - len(by_id)} leaked or replayed duplicates on the versions topic; restores: "
@@ -105,7 +108,7 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
     assert len(version_ids) == len(set(version_ids)) == expected, "no version_id registered twice"
     assert sorted(int(mv.version) for mv in registered) == list(range(1, expected + 1))
     assert sorted(int(mv.tags["streamtune.seq"]) for mv in registered) == list(range(1, expected + 1))
-    lineage = [s for mv in registered for s in by_id[mv.tags["streamtune.version_id"]][0]["lineage"]["sample_ids"]]
-    assert sorted(lineage) == sorted(s["sample_id"] for s in samples), "every sample in exactly one version"
+    lineage = [s for mv in registered for s in by_id[mv.tags["streamtune.version_id"]][0].lineage.sample_ids]
+    assert sorted(lineage) == sorted(s.sample_id for s in samples), "every sample in exactly one version"
     for mv in registered:
-        assert mv.tags["streamtune.sha256"] == by_id[mv.tags["streamtune.version_id"]][0]["sha256"]
+        assert mv.tags["streamtune.sha256"] == by_id[mv.tags["streamtune.version_id"]][0].sha256

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from core.messages import DeadLetter, FeedbackSample, RetrainTrigger, VersionRecord
 from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
-from streamtune.feedback import digit_samples, send_config, send_samples
+from streamtune.feedback import digit_samples, send_config, send_raw, send_samples
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.tinymodel import digit_pairs
 
@@ -73,15 +74,15 @@ def scenario(stack_config, base_model, tmp_path_factory):
                    + digit_samples(models["b"], pairs[200:300], T0, 200, id_prefix="b")
                    + digit_samples(models["late"], pairs[300:340], T0, 250, id_prefix="late")
                    + digit_samples(models["ghost"], pairs[340:343], T0, 1000, id_prefix="ghost"))
-        samples.sort(key=lambda s: s["ts"])
+        samples.sort(key=lambda s: s.ts)
         bad = malformed_records(1000, models["a"], seed=5)
         producer = KafkaProducer(bootstrap_servers=stack_config.kafka_bootstrap, acks="all")
         # The late model's first samples reach the running job, then its config follows a
         # moment later: within the grace period, so none of its samples may be dead-lettered.
         wait_until_running(stack_config, job)
-        first_late = [s for s in samples if s["model_id"] == models["late"]][:5]
+        first_late = [s for s in samples if s.model_id == models["late"]][:5]
         for s in first_late:
-            producer.send(topics["feedback"], json.dumps(s).encode(), timestamp_ms=s["ts"])
+            producer.send(topics["feedback"], s.to_json().encode(), timestamp_ms=s.ts)
         producer.flush()
         time.sleep(2)
         send_config(stack_config.kafka_bootstrap, topics["configs"],
@@ -89,20 +90,22 @@ def scenario(stack_config, base_model, tmp_path_factory):
         samples = [s for s in samples if s not in first_late]
         sent_bad, per_sample = [], -(-len(bad) // len(samples))
         for i, s in enumerate(samples):
-            producer.send(topics["feedback"], json.dumps(s).encode(), timestamp_ms=s["ts"])
+            producer.send(topics["feedback"], s.to_json().encode(), timestamp_ms=s.ts)
             for payload, reason in bad[i * per_sample:(i + 1) * per_sample]:
-                sent_bad.append((producer.send(topics["feedback"], payload, timestamp_ms=s["ts"]), reason))
+                sent_bad.append((producer.send(topics["feedback"], payload, timestamp_ms=s.ts), reason))
         producer.flush()
         bad_offsets = {future.get(timeout=10).offset: reason for future, reason in sent_bad}
         samples = first_late + samples
         # Samples 25 s later close every window above (and the ghost's grace period).
-        closers = [dict(s, sample_id=f"closer-{s['model_id']}", ts=T0 + 45_000)
+        closers = [s.model_copy(update={"sample_id": f"closer-{s.model_id}", "ts": T0 + 45_000})
                    for s in digit_samples(models["a"], pairs[:1], T0, 1) + digit_samples(models["b"], pairs[:1], T0, 1)
                    + digit_samples(models["late"], pairs[:1], T0, 1)]
         send_samples(stack_config.kafka_bootstrap, topics["feedback"], closers)
         expected_windows = 10 + 7 + 2  # a: 20 s in 2 s windows; b: 3 s windows (epoch aligned); late: 5 s
-        versions = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], expected_windows, timeout=180)
-        dlq = wait_for_records(stack_config.kafka_bootstrap, topics["dlq"], len(bad_offsets) + 3, timeout=60)
+        versions = wait_for_records(stack_config.kafka_bootstrap, topics["versions"], VersionRecord, expected_windows,
+                                    timeout=180)
+        dlq = wait_for_records(stack_config.kafka_bootstrap, topics["dlq"], DeadLetter, len(bad_offsets) + 3,
+                               timeout=60)
         yield {"topics": topics, "models": models, "samples": samples, "bad_offsets": bad_offsets,
                "versions": versions, "dlq": dlq, "closers": closers}
     finally:
@@ -110,47 +113,47 @@ def scenario(stack_config, base_model, tmp_path_factory):
 
 
 def test_malformed_records_go_to_dlq_each_with_its_reason(scenario):
-    dlq = [d for d in scenario["dlq"] if d["reason"] != "unknown_model"]
-    by_offset = {d["source"]["offset"]: d for d in dlq}
+    dlq = [d for d in scenario["dlq"] if d.reason != "unknown_model"]
+    by_offset = {d.source.offset: d for d in dlq}
     assert len(dlq) == len(by_offset) == 1000, "each malformed record dead-lettered exactly once"
-    assert {o: d["reason"] for o, d in by_offset.items()} == scenario["bad_offsets"]
-    assert all(d["detail"] and d["source"]["topic"] == scenario["topics"]["feedback"] for d in dlq)
-    payload = next(d for d in dlq if d["reason"] == "bad_json")["payload"]
+    assert {o: d.reason for o, d in by_offset.items()} == scenario["bad_offsets"]
+    assert all(d.detail and d.source.topic == scenario["topics"]["feedback"] for d in dlq)
+    payload = next(d for d in dlq if d.reason == "bad_json").payload
     assert payload.startswith('{"model_id"') or "binary" in payload, "the original payload is kept"
 
 
 def test_unknown_model_is_dead_lettered_after_grace_and_late_config_loses_nothing(scenario):
     ghost = scenario["models"]["ghost"]
-    unknown = [d for d in scenario["dlq"] if d["reason"] == "unknown_model"]
-    assert sorted(json.loads(d["payload"])["sample_id"] for d in unknown) == ["ghost0", "ghost1", "ghost2"]
-    assert all(d["model_id"] == ghost and "grace" in d["detail"] for d in unknown)
+    unknown = [d for d in scenario["dlq"] if d.reason == "unknown_model"]
+    assert sorted(FeedbackSample.from_json(d.payload).sample_id for d in unknown) == ["ghost0", "ghost1", "ghost2"]
+    assert all(d.model_id == ghost and "grace" in d.detail for d in unknown)
     late = scenario["models"]["late"]
-    trained = [sid for v in scenario["versions"] if v["model_id"] == late for sid in v["lineage"]["sample_ids"]]
+    trained = [sid for v in scenario["versions"] if v.model_id == late for sid in v.lineage.sample_ids]
     assert sorted(trained) == sorted(f"late{i}" for i in range(40))
 
 
 def test_two_models_get_separate_adapters_and_version_sequences(scenario):
     a, b = scenario["models"]["a"], scenario["models"]["b"]
     versions = scenario["versions"]
-    va = [v for v in versions if v["model_id"] == a]
-    vb = [v for v in versions if v["model_id"] == b]
-    assert [v["seq"] for v in va] == list(range(1, len(va) + 1)) and len(va) == 10
-    assert [v["seq"] for v in vb] == list(range(1, len(vb) + 1)) and len(vb) == 7
-    assert {(v["adapter"]["rank"], tuple(v["adapter"]["target_modules"])) for v in va} == {(4, ("q_proj", "v_proj"))}
-    assert {(v["adapter"]["rank"], tuple(v["adapter"]["target_modules"])) for v in vb} == {(8, ("q_proj",))}
-    ids_a = {s for v in va for s in v["lineage"]["sample_ids"]}
-    ids_b = {s for v in vb for s in v["lineage"]["sample_ids"]}
+    va = [v for v in versions if v.model_id == a]
+    vb = [v for v in versions if v.model_id == b]
+    assert [v.seq for v in va] == list(range(1, len(va) + 1)) and len(va) == 10
+    assert [v.seq for v in vb] == list(range(1, len(vb) + 1)) and len(vb) == 7
+    assert {(v.adapter.rank, tuple(v.adapter.target_modules)) for v in va} == {(4, ("q_proj", "v_proj"))}
+    assert {(v.adapter.rank, tuple(v.adapter.target_modules)) for v in vb} == {(8, ("q_proj",))}
+    ids_a = {s for v in va for s in v.lineage.sample_ids}
+    ids_b = {s for v in vb for s in v.lineage.sample_ids}
     assert ids_a == {f"a{i}" for i in range(200)} and ids_b == {f"b{i}" for i in range(100)}
-    assert all(Path(v["artifact_dir"], "adapter_model.safetensors").exists() for v in va + vb)
-    assert len({v["artifact_dir"] for v in va + vb}) == len(va) + len(vb)
+    assert all(Path(v.artifact_dir, "adapter_model.safetensors").exists() for v in va + vb)
+    assert len({v.artifact_dir for v in va + vb}) == len(va) + len(vb)
 
 
 def test_counts_reconcile_every_valid_sample_in_exactly_one_version(scenario):
-    lineage = [s for v in scenario["versions"] for s in v["lineage"]["sample_ids"]]
+    lineage = [s for v in scenario["versions"] for s in v.lineage.sample_ids]
     assert len(lineage) == len(set(lineage)), "no sample trained twice"
-    produced_valid = {s["sample_id"] for s in scenario["samples"]} | {c["sample_id"] for c in scenario["closers"]}
-    dead = {json.loads(d["payload"])["sample_id"] for d in scenario["dlq"] if d["reason"] == "unknown_model"}
-    pending = {c["sample_id"] for c in scenario["closers"]}  # the closers wait for a later window
+    produced_valid = {s.sample_id for s in scenario["samples"]} | {c.sample_id for c in scenario["closers"]}
+    dead = {FeedbackSample.from_json(d.payload).sample_id for d in scenario["dlq"] if d.reason == "unknown_model"}
+    pending = {c.sample_id for c in scenario["closers"]}  # the closers wait for a later window
     assert set(lineage) | dead | pending == produced_valid
     assert len(lineage) + len(dead) + len(pending) == len(produced_valid)
     records_in = len(scenario["samples"]) + len(scenario["closers"]) + len(scenario["bad_offsets"])
@@ -184,34 +187,35 @@ def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lette
         send_config(bs, topics["configs"], spec(model_id, topics, rank=4, min_samples=10, window_seconds=2), T0)
         # Phase 1: four 2 s windows of 12 samples; the first three close (12 >= 10).
         send_samples(bs, topics["feedback"], digit_samples(model_id, pairs[:48], T0, 2000 / 12, id_prefix="p1-"))
-        first = wait_for_records(bs, topics["versions"], 3, timeout=120, read_committed=False)
+        first = wait_for_records(bs, topics["versions"], VersionRecord, 3, timeout=120, read_committed=False)
         assert len(first) == 3
         send_config(bs, topics["configs"], spec(model_id, topics, rank=8, min_samples=20, window_seconds=2), T0 + 1)
-        invalid = spec(model_id, topics, rank=-1, min_samples=20, window_seconds=2)
-        send_config(bs, topics["configs"], invalid, T0 + 2)
+        invalid = spec_fields(model_id, f"kafka://topic={topics['feedback']}", rank=-1, min_samples=20,
+                              window_seconds=2)
+        send_raw(bs, topics["configs"], model_id, json.dumps(invalid), T0 + 2)
         time.sleep(3)  # both configs are read before phase 2 arrives
         # Phase 2: windows 5-7 with 25 samples each, then a closer in window 9.
         phase2 = digit_samples(model_id, pairs[48:123], T0 + 8000, 2000 / 25, id_prefix="p2-")
         closer = digit_samples(model_id, pairs[:1], T0 + 16_500, 1, id_prefix="closer-")
         send_samples(bs, topics["feedback"], phase2 + closer)
-        wait_for_records(bs, topics["versions"], 6, timeout=120)
+        wait_for_records(bs, topics["versions"], VersionRecord, 6, timeout=120)
         # A retrain trigger (e.g. from sql/retrain_trigger.sql) trains the lone closer now.
-        send_config(bs, topics["configs"], {"model_id": model_id, "trigger": "retrain",
-                                            "reason": "correction_rate 0.42 > 0.30"}, T0 + 3)
-        versions = wait_for_records(bs, topics["versions"], 7, timeout=60)
-        dlq = wait_for_records(bs, topics["dlq"], 1, timeout=30)
+        send_config(bs, topics["configs"], RetrainTrigger(model_id=model_id, reason="correction_rate 0.42 > 0.30"),
+                    T0 + 3)
+        versions = wait_for_records(bs, topics["versions"], VersionRecord, 7, timeout=60)
+        dlq = wait_for_records(bs, topics["dlq"], DeadLetter, 1, timeout=30)
     finally:
         cancel_job(stack_config, job)
-    versions.sort(key=lambda v: v["seq"])
+    versions.sort(key=lambda v: v.seq)
     forced = versions.pop()
-    assert forced["trigger"] == "forced" and forced["lineage"]["sample_ids"] == ["closer-0"]
-    assert [v["seq"] for v in versions] == [1, 2, 3, 4, 5, 6]
+    assert forced.trigger == "forced" and forced.lineage.sample_ids == ["closer-0"]
+    assert [v.seq for v in versions] == [1, 2, 3, 4, 5, 6]
     old, new = versions[:3], versions[3:]
-    assert all(v["adapter"]["rank"] == 4 and v["config_version"] == 1 and v["metrics"]["samples"] == 12 for v in old)
-    assert all(v["adapter"]["rank"] == 8 and v["config_version"] == 2 for v in new), "invalid config never applied"
-    assert [v["fresh_adapter"] for v in versions] == [True, False, False, True, False, False]
+    assert all(v.adapter.rank == 4 and v.config_version == 1 and v.metrics.samples == 12 for v in old)
+    assert all(v.adapter.rank == 8 and v.config_version == 2 for v in new), "invalid config never applied"
+    assert [v.fresh_adapter for v in versions] == [True, False, False, True, False, False]
     # Window 4's 12 samples carry over (12 < 20) and train with window 5's 25.
-    assert [v["metrics"]["samples"] for v in new] == [37, 25, 25]
-    assert new[0]["trigger_policy"]["min_samples_per_window"] == 20
-    assert len(dlq) == 1 and dlq[0]["reason"] == "schema" and dlq[0]["kind"] == "config"
-    assert "adapter_config.rank" in dlq[0]["detail"] and json.loads(dlq[0]["payload"]) == invalid
+    assert [v.metrics.samples for v in new] == [37, 25, 25]
+    assert new[0].trigger_policy.min_samples_per_window == 20
+    assert len(dlq) == 1 and dlq[0].reason == "schema" and dlq[0].kind == "config"
+    assert "adapter_config.rank" in dlq[0].detail and json.loads(dlq[0].payload) == invalid
