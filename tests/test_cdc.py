@@ -298,12 +298,12 @@ def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
                              f"{stack_config.postgres_dsn}?table=no_such_{u}", "--name", f"missing-{u}",
                              "--bootstrap", stack_config.kafka_bootstrap], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 2
-    assert f"table public.no_such_{u} does not exist" in result.stdout
+    assert result.returncode == 2 and not result.stdout
+    assert f"table public.no_such_{u} does not exist" in result.stderr
     result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--snapshot", "--source",
                              f"{stack_config.mongo_uri}&db=d&collection=c"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 2 and "PostgreSQL tables only" in result.stdout
+    assert result.returncode == 2 and "mongodb:// sources cannot read existing rows" in result.stderr
     (tmp_path / "m.yaml").write_text("mappings:\n  - table: t\n    prompt: q\n    completion: a\n")
     result = subprocess.run([sys.executable, "-m", "jobs.cdc_retrain", "--cdc-topic", "x", "--mapping",
                              str(tmp_path / "m.yaml")], cwd=REPO, capture_output=True, text=True, timeout=120)
