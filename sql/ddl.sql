@@ -15,17 +15,19 @@
 
 SET 'table.local-time-zone' = 'UTC';
 
--- Feedback samples (streamtune/specs.py). Values that are not JSON are skipped
+-- Feedback samples (core.messages.FeedbackSample). Values that are not JSON are skipped
 -- (json.ignore-parse-errors: the job's DLQ counts them); a field of the wrong type reads as NULL.
 -- Event time: the Kafka record timestamp, which producers set to the sample's ts, as the job uses it.
+-- Columns are the message's fields (tests/test_contracts.py checks them against the models);
+-- a column holding one of fixed values lists them in its COMMENT.
 CREATE TEMPORARY TABLE feedback (
   model_id STRING,
   sample_id STRING,
   prompt STRING,
   completion STRING,
-  label STRING,                 -- accepted | corrected | rejected | NULL
-  weight DOUBLE,                -- NULL means the default, 1
-  ts BIGINT,                    -- epoch ms, as written by the producer
+  label STRING COMMENT 'accepted | corrected | rejected | NULL',
+  weight DOUBLE COMMENT 'loss weight in [0, 10]; NULL means the default, 1',
+  ts BIGINT COMMENT 'epoch ms, as written by the producer',
   `topic` STRING METADATA VIRTUAL,
   `partition` INT METADATA VIRTUAL,
   `offset` BIGINT METADATA VIRTUAL,
@@ -41,15 +43,15 @@ CREATE TEMPORARY TABLE feedback (
   'json.ignore-parse-errors' = 'true'
 );
 
--- Dead letters (operators/validate.py: dead_letter). Event time: when the rejected record was
--- produced (source.timestamp), else this record's Kafka timestamp.
+-- Dead letters (core.messages.DeadLetter). Event time: when the rejected record was produced
+-- (source.timestamp), else this record's Kafka timestamp.
 CREATE TEMPORARY TABLE dlq (
-  reason STRING,                -- empty | oversized | bad_json | schema | unsupported_source | unknown_model
+  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable',
   detail STRING,
-  kind STRING,                  -- sample | config
-  model_id STRING,              -- NULL unless known (unknown_model)
-  payload STRING,               -- the original record value
-  source ROW<`topic` STRING, `partition` INT, `offset` BIGINT, `timestamp` BIGINT>,
+  kind STRING COMMENT 'sample | config | trigger | change',
+  model_id STRING COMMENT 'NULL unless known (unknown_model)',
+  payload STRING COMMENT 'the original record value',
+  source ROW<`topic` STRING, `partition` INT, `offset` BIGINT, `timestamp` BIGINT> COMMENT 'where the record was read',
   kafka_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
   event_time AS COALESCE(TO_TIMESTAMP_LTZ(source.`timestamp`, 3), kafka_time),
   WATERMARK FOR event_time AS event_time - INTERVAL '${lateness_seconds}' SECOND
@@ -64,21 +66,24 @@ CREATE TEMPORARY TABLE dlq (
   'json.ignore-parse-errors' = 'true'
 );
 
--- Version records of the fine-tuning job (operators/finetune_function.py, streamtune/registrar.py),
--- written exactly-once. Event time: the end of the data window the version was trained on.
+-- Version records of the fine-tuning job (core.messages.VersionRecord), written exactly-once.
+-- Event time: the end of the data window the version was trained on. Not declared: lineage
+-- (the trained samples' ids and offsets).
 CREATE TEMPORARY TABLE versions (
   version_id STRING,
   model_id STRING,
   seq BIGINT,
-  window_start BIGINT,          -- epoch ms
-  window_end BIGINT,            -- epoch ms
+  window_start BIGINT COMMENT 'epoch ms',
+  window_end BIGINT COMMENT 'epoch ms',
   sha256 STRING,
   artifact_dir STRING,
   base_model STRING,
   config_version INT,
   fresh_adapter BOOLEAN,
-  `trigger` STRING,             -- window | max_samples | forced
-  metrics ROW<loss_before DOUBLE, loss_after DOUBLE, samples INT, tokens INT, step_seconds DOUBLE>,
+  adapter ROW<`rank` INT, alpha DOUBLE, target_modules ARRAY<STRING>, dropout DOUBLE>,
+  trigger_policy ROW<min_samples_per_window INT, window_seconds INT, max_samples_per_step INT>,
+  `trigger` STRING COMMENT 'window | max_samples | forced',
+  metrics ROW<loss_before DOUBLE, loss_after DOUBLE, samples INT, tokens INT, step_seconds DOUBLE, operator_seconds DOUBLE>,
   kafka_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
   data_end AS COALESCE(TO_TIMESTAMP_LTZ(window_end, 3), kafka_time),
   WATERMARK FOR data_end AS data_end - INTERVAL '${lateness_seconds}' SECOND
@@ -93,14 +98,15 @@ CREATE TEMPORARY TABLE versions (
   'json.ignore-parse-errors' = 'true'
 );
 
--- The registrar's broadcast: one record per adapter version registered in MLflow, when
--- inference can load it. Event time: the Kafka record timestamp, i.e. when it was published.
+-- The registrar's broadcast (core.messages.AdapterVersionBroadcast): one record per adapter
+-- version registered in MLflow, when inference can load it. Event time: the Kafka record
+-- timestamp, i.e. when it was published.
 CREATE TEMPORARY TABLE adapter_versions (
   version_id STRING,
   model_id STRING,
   seq BIGINT,
   mlflow_version BIGINT,
-  model_uri STRING,             -- models:/<model_id>/<mlflow_version>
+  model_uri STRING COMMENT 'models:/<model_id>/<mlflow_version>',
   sha256 STRING,
   artifact_uri STRING,
   aliases ARRAY<STRING>,

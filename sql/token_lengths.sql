@@ -1,6 +1,6 @@
 -- Token-length distribution of completions (the trained-on text) per model, cumulative
 -- within each hour and refreshed every 10 minutes (CUMULATE). Uses the token_count UDF with a
--- tokenizer from the registry (udfs/tokenizers.py), e.g. the one registered for the topic.
+-- tokenizer from the tokenizer catalogue (udfs/tokenizer_catalogue.py), e.g. the one registered for the topic.
 -- var tokenizer = whitespace         a registered tokenizer name (or the built-in whitespace)
 -- var bucket_width = 8               tokens per histogram bucket
 -- Output: window_start, window_end TIMESTAMP(3) (UTC; window_start is the hour);

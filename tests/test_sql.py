@@ -1,10 +1,12 @@
 """Every shipped .sql file against the local stack's Kafka, on an embedded mini-cluster.
 
 One module-wide TableEnvironment (a local mini-cluster per query) reads topics named for this
-module run. The data are produced with kafka-python, record timestamps = event times, in
-event-time order; a final "closer" record far later in event time moves the watermark past
-every window of the data (its own windows never close, so it never shows in results). Each
-query's rows are compared with values computed here in plain Python from the produced data.
+module run. The records are core.messages models written as their `.to_json()`, as the job,
+the registrar and producers write them (so a drift between the models and sql/ fails here),
+produced with kafka-python, record timestamps = event times, in event-time order; a final
+"closer" record far later in event time moves the watermark past every window of the data
+(its own windows never close, so it never shows in results). Each query's rows are compared
+with values computed here in plain Python from the produced models.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamtune.sql_client import add_parser, new_table_env, run_file, run_statements
+from core.messages import (AdapterConfig, AdapterVersionBroadcast, DeadLetter, FeedbackSample, FinetuneSpec, Lineage,
+                           Message, OffsetRange, RetrainTrigger, SourcePosition, TriggerPolicy, VersionMetrics,
+                           VersionRecord)
+from streamtune.sqlclient.command import add_parser, cmd_sql
+from streamtune.sqlclient.runner import new_table_env, run_file, run_statements
 
 pytestmark = pytest.mark.sql
 
@@ -70,80 +76,90 @@ def trigger_plan() -> list[tuple[int, int, int]]:
 TRIG_FIRES = [3, 6, 8]
 
 
-def make_feedback(rng: random.Random) -> list[tuple[int, bytes]]:
-    """(event time ms, value bytes) of the feedback topic, sorted by event time."""
+def make_feedback(rng: random.Random) -> list[tuple[int, FeedbackSample | bytes]]:
+    """(event time ms, record) of the feedback topic, sorted by event time: samples, two
+    records the queries must not count, then the closer."""
     records = []
 
-    def sample(model, ts, label, weight=None, completion=None):
-        s = {"model_id": model, "sample_id": f"{model}-{len(records)}", "prompt": "x=1234;y=",
-             "completion": completion or " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14))),
-             "ts": ts}
-        if label is not None:
-            s["label"] = label
-        if weight is not None:
-            s["weight"] = weight
-        records.append((ts, json.dumps(s).encode()))
+    def sample(model, ts, label, weight=1.0):
+        completion = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14)))
+        records.append((ts, FeedbackSample(model_id=model, sample_id=f"{model}-{len(records)}", prompt="x=1234;y=",
+                                           completion=completion, label=label, weight=weight, ts=ts)))
 
     start = BASE + 3 * MIN
     for model in ("m-a", "m-b"):
         for _ in range(110):
             ts = start + rng.randrange(0, 70 * MIN)  # crosses an hour: two CUMULATE hours
             label = rng.choices([*LABELS, None], weights=[45, 25, 10, 20])[0]
-            sample(model, ts, label, rng.choice([None, 0.5, 1.0, 2.0, 3.5]))
+            sample(model, ts, label, rng.choice([0.0, 0.5, 1.0, 2.0, 3.5]))
     for w, (corrected, labelled, unlabelled) in enumerate(trigger_plan()):
         labels = ["corrected"] * corrected + ["rejected"] * min(1, labelled - corrected)
         labels += ["accepted"] * (labelled - len(labels)) + [None] * unlabelled
         for label in labels:
             sample("trig", TRIG_START + w * TRIGGER_MINUTES * MIN + rng.randrange(0, TRIGGER_MINUTES * MIN), label)
-    # not JSON: skipped by the table; JSON without a model: filtered by every query
+    # not JSON: skipped by the table; a sample without its model: filtered by every query
     records.append((start + 7 * MIN, b"{not json"))
-    records.append((start + 8 * MIN, json.dumps({"sample_id": "orphan", "prompt": "p", "completion": "c",
-                                                 "ts": start + 8 * MIN}).encode()))
+    orphan = FeedbackSample(model_id="orphan", sample_id="orphan", prompt="p", completion="c", ts=start + 8 * MIN)
+    records.append((orphan.ts, json.dumps({k: v for k, v in orphan.to_dict().items() if k != "model_id"}).encode()))
     records.sort(key=lambda r: r[0])
-    records.append((FAR, json.dumps({"model_id": "zz-closer", "sample_id": "closer", "prompt": "",
-                                     "completion": "closer", "ts": FAR}).encode()))
+    records.append((FAR, FeedbackSample(model_id="zz-closer", sample_id="closer", prompt="", completion="closer",
+                                        ts=FAR)))
     return records
 
 
-def make_dlq(rng: random.Random, feedback_topic: str) -> list[tuple[int, bytes]]:
-    """Dead letters exactly as the job writes them (operators.validate.dead_letter)."""
-    from operators.validate import dead_letter
-
+def make_dlq(rng: random.Random, feedback_topic: str) -> list[tuple[int, DeadLetter]]:
+    """Dead letters as the job writes them (core.messages.DeadLetter), of every record kind."""
     records = []
     for i in range(70):
         ts = BASE + 2 * MIN + rng.randrange(0, 30 * MIN)
         kind, model_id = "sample", None
-        reason = rng.choice(["bad_json", "schema", "schema", "unknown_model", "empty", "unsupported_source"])
+        reason = rng.choice(["bad_json", "schema", "schema", "unknown_model", "empty", "unsupported_source",
+                             "not_a_change_event"])
         model = rng.choice(["m-a", "m-b", "m-c"])
+        sample = FeedbackSample(model_id=model, sample_id=f"s{i}", prompt="p", completion="c", ts=ts)
         if reason == "bad_json":
-            payload = '{"model_id": "' + model + '", oops'
-        elif reason == "schema":
-            payload = json.dumps({"model_id": model, "sample_id": "s"} if rng.random() < 0.7 else {"prompt": "p"})
+            payload = sample.to_json()[:-1] + ", oops"
+        elif reason == "schema":  # a sample missing fields
+            kept = ("model_id", "sample_id") if rng.random() < 0.7 else ("prompt",)
+            payload = json.dumps({k: v for k, v in sample.to_dict().items() if k in kept})
         elif reason == "unknown_model":
-            payload, model_id = json.dumps({"model_id": model, "sample_id": "s", "prompt": "p", "completion": "c",
-                                            "ts": ts}), model
+            payload, model_id = sample.to_json(), model
         elif reason == "empty":
             payload = None
-        else:
-            kind, payload = "config", json.dumps({"model_id": model, "stream_source": "kafka://topic=other"})
-        value = dead_letter(reason, "detail", payload, feedback_topic, 0, i, ts, kind, model_id)
-        records.append((ts, value.encode()))
+        elif reason == "unsupported_source":  # a spec for another job's source
+            kind, payload = "config", FinetuneSpec(
+                model_id=model, stream_source="kafka://topic=other",
+                adapter_config=AdapterConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+                trigger_policy=TriggerPolicy(min_samples_per_window=8, window_seconds=60)).to_json()
+        else:  # a sample on a change-event topic
+            kind, payload = "change", sample.to_json()
+        records.append((ts, DeadLetter(reason=reason, detail="detail", kind=kind, model_id=model_id, payload=payload,
+                                       source=SourcePosition(topic=feedback_topic, partition=0, offset=i, timestamp=ts))))
     records.sort(key=lambda r: r[0])
-    records.append((FAR, dead_letter("empty", "closer", None, feedback_topic, 0, 999, FAR, "sample").encode()))
+    records.append((FAR, DeadLetter(reason="empty", detail="closer", kind="sample",
+                                    source=SourcePosition(topic=feedback_topic, partition=0, offset=999, timestamp=FAR))))
     return records
 
 
-def version_record(model_id: str, seq: int, window_end: int, version_id: str) -> dict:
-    """The job's version record (operators/finetune_function.py `_fire`)."""
-    return {"version_id": version_id, "model_id": model_id, "seq": seq,
-            "window_start": window_end - 2 * MIN, "window_end": window_end,
-            "artifact_dir": f"/adapters/{model_id}/{version_id}", "sha256": "ab" * 32, "base_model": "/models/tiny",
-            "config_version": 1, "fresh_adapter": seq == 1,
-            "adapter": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
-            "trigger_policy": {"min_samples_per_window": 8, "window_seconds": 120, "max_samples_per_step": 1024},
-            "metrics": {"loss_before": 2.5, "loss_after": 2.1, "samples": 8, "tokens": 96, "step_seconds": 0.05},
-            "lineage": {"sample_ids": ["s1"], "offsets": [{"topic": "t", "partition": 0, "first": 0, "last": 7}]},
-            "trigger": "window"}
+def version_record(model_id: str, seq: int, window_end: int, version_id: str) -> VersionRecord:
+    """A version record as the trainer emits it (operators/finetune_function.py)."""
+    return VersionRecord(
+        version_id=version_id, model_id=model_id, seq=seq, window_start=window_end - 2 * MIN, window_end=window_end,
+        artifact_dir=f"/adapters/{model_id}/{version_id}", sha256="ab" * 32, base_model="/models/tiny",
+        config_version=1, fresh_adapter=seq == 1,
+        adapter=AdapterConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+        trigger_policy=TriggerPolicy(min_samples_per_window=8, window_seconds=120),
+        metrics=VersionMetrics(loss_before=2.5, loss_after=2.1, samples=8, tokens=96, step_seconds=0.05,
+                               operator_seconds=0.07 * seq),
+        lineage=Lineage(sample_ids=["s1"], offsets=[OffsetRange(topic="t", partition=0, first=0, last=7)]),
+        trigger=("window", "max_samples", "forced")[seq % 3])
+
+
+def broadcast(model_id: str, seq: int, version_id: str, aliases: list[str]) -> AdapterVersionBroadcast:
+    """The registrar's broadcast of a registered version (streamtune/registrar.py)."""
+    return AdapterVersionBroadcast(version_id=version_id, model_id=model_id, seq=seq, mlflow_version=seq,
+                                   model_uri=f"models:/{model_id}/{seq}", sha256="ab" * 32,
+                                   artifact_uri=f"mlflow-artifacts:/{model_id}/{seq}", aliases=aliases)
 
 
 def make_versions(rng: random.Random):
@@ -161,48 +177,36 @@ def make_versions(rng: random.Random):
                 published = window_end + HOUR + 1      # over the interval bound: not reported
             if (model, seq) == ("m-c", 5):
                 published = window_end + HOUR          # exactly at the bound: reported
-            msg = {"version_id": vid, "model_id": model, "seq": seq, "mlflow_version": seq,
-                   "model_uri": f"models:/{model}/{seq}", "sha256": "ab" * 32,
-                   "artifact_uri": f"mlflow-artifacts:/{model}/{seq}", "aliases": ["latest"]}
+            msg = broadcast(model, seq, vid, ["candidate", "champion"] if seq % 2 else ["candidate"])
             broadcasts.append((published, msg))
             if (model, seq) == ("m-a", 4):              # the registrar re-broadcast it (at-least-once)
                 broadcasts.append((published + 30_000, msg))
             if (model, seq) == ("m-b", 5):              # the version record came twice (replay)
                 versions.append((window_end, versions[-1][1]))
-    broadcasts.append((BASE + 20 * MIN, {"version_id": "unknown", "model_id": "m-a", "seq": 99, "mlflow_version": 99,
-                                          "model_uri": "models:/m-a/99", "sha256": "00", "artifact_uri": "x",
-                                          "aliases": []}))
+    broadcasts.append((BASE + 20 * MIN, broadcast("m-a", 99, "unknown", [])))
     versions.sort(key=lambda r: r[0])
     broadcasts.sort(key=lambda r: r[0])
     versions.append((FAR, version_record("zz-closer", 1, FAR, "closer-version")))
-    broadcasts.append((FAR, {"version_id": "closer-broadcast", "model_id": "zz-closer", "seq": 1, "mlflow_version": 1,
-                             "model_uri": "models:/zz-closer/1", "sha256": "00", "artifact_uri": "x", "aliases": []}))
+    broadcasts.append((FAR, broadcast("zz-closer", 1, "closer-broadcast", [])))
     return versions, broadcasts
 
 
 def produce(bootstrap: str, topic: str, records) -> None:
+    """Each message as its `.to_json()` (bytes as they are), record timestamp = event time."""
     from kafka import KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5)
     for ts, value in records:
-        if isinstance(value, dict):
-            value = json.dumps(value).encode()
+        if isinstance(value, Message):
+            value = value.to_json().encode()
         producer.send(topic, value=value, key=None, partition=0, timestamp_ms=ts)
     producer.flush()
     producer.close()
 
 
-def feedback_rows(records) -> list[dict]:
-    """What the feedback table yields to the queries: JSON values with a model_id, minus the closer."""
-    rows = []
-    for ts, value in records:
-        try:
-            s = json.loads(value)
-        except ValueError:
-            continue
-        if s.get("model_id") and s["model_id"] != "zz-closer":
-            rows.append({**s, "event_time": ts})
-    return rows
+def counted_samples(records) -> list[FeedbackSample]:
+    """The samples the queries count: those with a model_id, minus the closer (event time = ts)."""
+    return [s for _, s in records if isinstance(s, FeedbackSample) and s.model_id != "zz-closer"]
 
 
 # ------------------------------------------------------------------------------- fixtures
@@ -210,7 +214,7 @@ def feedback_rows(records) -> list[dict]:
 @pytest.fixture(scope="module")
 def sql_env(stack_config, base_model, tmp_path_factory):
     from connectors.kafka import create_topic
-    from udfs import tokenizers
+    from udfs import tokenizer_catalogue
 
     bootstrap = stack_config.kafka_bootstrap
     prefix = f"test.sql-{uuid.uuid4().hex[:8]}"
@@ -227,9 +231,9 @@ def sql_env(stack_config, base_model, tmp_path_factory):
     produce(bootstrap, topics["adapter-versions"], broadcasts)
 
     with pytest.MonkeyPatch.context() as mp:
-        # Python UDFs of a local job run in this process: they see this registry
-        mp.setenv(tokenizers.ENV_VAR, str(tmp_path_factory.mktemp("tokenizers")))
-        tokenizers.register(topics["feedback"], base_model)  # the per-topic tokenizer
+        # Python UDFs of a local job run in this process: they see this catalogue
+        mp.setenv("STREAMTUNE_TOKENIZER_CATALOGUE", str(tmp_path_factory.mktemp("tokenizers")))
+        tokenizer_catalogue.register(topics["feedback"], base_model)  # the per-topic tokenizer
         variables = {"bootstrap": bootstrap, "feedback_topic": topics["feedback"], "dlq_topic": topics["dlq"],
                      "versions_topic": topics["versions"], "adapter_versions_topic": topics["adapter-versions"],
                      "config_topic": topics["configs"], "lateness_seconds": "0", "tokenizer": topics["feedback"],
@@ -238,7 +242,7 @@ def sql_env(stack_config, base_model, tmp_path_factory):
         t_env = new_table_env()
         run_file(SQL / "ddl.sql", variables, t_env)
         yield SimpleNamespace(t_env=t_env, variables=variables, topics=topics, bootstrap=bootstrap,
-                              base_model=base_model, feedback=feedback_rows(feedback), dlq=dlq,
+                              base_model=base_model, feedback=feedback, samples=counted_samples(feedback), dlq=dlq,
                               versions=versions, broadcasts=broadcasts)
 
 
@@ -267,15 +271,64 @@ def test_ddl_declares_the_tables_with_watermarks(sql_env):
         assert by_name[column][5], f"{table}.{column} has no watermark"
 
 
+def plain(value, flink_type):
+    """A collected value as JSON-like Python: a ROW (positional in PyFlink) as a dict by field name."""
+    if value is None:
+        return None
+    if flink_type.name == "ROW":
+        # PyFlink 2.0.2 collects a nested ROW as a Row holding one list of its values
+        values = value[0] if len(value) == 1 and len(flink_type.fields) > 1 else value
+        assert len(values) == len(flink_type.fields), (value, flink_type)
+        return {f.name: plain(v, f.type) for f, v in zip(flink_type.fields, values)}
+    if flink_type.name == "ARRAY":
+        return [plain(v, flink_type.element) for v in value]
+    return value
+
+
+def read_as(wire, flink_type):
+    """A JSON value as a column of `flink_type` holds it: a ROW keeps the fields it names."""
+    if wire is None:
+        return None
+    if flink_type.name == "ROW":
+        return {f.name: read_as(wire.get(f.name), f.type) for f in flink_type.fields}
+    if flink_type.name == "ARRAY":
+        return [read_as(v, flink_type.element) for v in wire]
+    return wire
+
+
+def test_tables_read_the_messages_as_the_models_write_them(sql_env):
+    """Every physical column of every table, collected from the produced records, holds what
+    the record's JSON holds; the columns are those tests/test_contracts.py reads from ddl.sql."""
+    from test_contracts import Tokens, create_tables, parse_type
+
+    declared = create_tables((SQL / "ddl.sql").read_text())
+    for table, records in (("feedback", sql_env.feedback), ("dlq", sql_env.dlq), ("versions", sql_env.versions),
+                           ("adapter_versions", sql_env.broadcasts)):
+        [described] = run_statements(f"DESCRIBE {table}", sql_env.variables, sql_env.t_env)
+        columns = {row[0]: parse_type(Tokens(row[1])) for row in described.rows if row[4] is None}  # no extras
+        assert [(c.name, str(c.type)) for c in declared[table]] == [(n, str(t)) for n, t in columns.items()]
+        expected = []
+        for _, record in records:
+            try:
+                wire = json.loads(record.to_json() if isinstance(record, Message) else record)
+            except ValueError:
+                continue  # not JSON: the table skips it
+            expected.append({name: read_as(wire.get(name), t) for name, t in columns.items()})
+        select = ", ".join(f"`{name}`" for name in columns)
+        [result] = run_statements(f"SELECT {select} FROM {table}", sql_env.variables, sql_env.t_env,
+                                  max_rows=len(expected), timeout=TIMEOUT)
+        got = [{name: plain(value, t) for (name, t), value in zip(columns.items(), row)} for row in result.rows]
+        assert got == expected, table
+
+
 def expected_samples(env) -> Counter:
     groups = defaultdict(list)
-    for s in env.feedback:
-        groups[(floor(s["event_time"], MIN), s["model_id"])].append(s)
+    for s in env.samples:
+        groups[(floor(s.ts, MIN), s.model_id)].append(s)
     out = Counter()
     for (start, model), ss in groups.items():
-        weight = sum(0.0 if s.get("label") == "rejected" else s.get("weight", 1.0) for s in ss)
-        out[(utc(start), utc(start + MIN), model, len(ss), sum(s.get("label") in LABELS for s in ss),
-             approx(weight))] += 1
+        weight = sum(s.effective_weight for s in ss)  # the weight the trainer gives each sample
+        out[(utc(start), utc(start + MIN), model, len(ss), sum(s.label in LABELS for s in ss), approx(weight))] += 1
     return out
 
 
@@ -300,10 +353,10 @@ def test_samples_per_model_through_the_command_line(sql_env, capsys):
 
 def test_label_rates(sql_env):
     groups = defaultdict(list)
-    for s in sql_env.feedback:
-        first = floor(s["event_time"], MIN)
+    for s in sql_env.samples:
+        first = floor(s.ts, MIN)
         for start in range(first - 4 * MIN, first + 1, MIN):  # the 5 hop windows holding it
-            groups[(start, s["model_id"])].append(s.get("label"))
+            groups[(start, s.model_id)].append(s.label)
     expected = Counter()
     for (start, model), labels in groups.items():
         n = Counter(labels)
@@ -318,18 +371,18 @@ def test_label_rates(sql_env):
     assert got == expected
 
 
-def test_token_lengths_use_the_registered_tokenizer(sql_env):
+def test_token_lengths_use_the_catalogued_tokenizer(sql_env):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(sql_env.base_model), local_files_only=True)
     width = 8
     groups = defaultdict(list)
-    for s in sql_env.feedback:
-        n = len(tok(s["completion"], add_special_tokens=False)["input_ids"])
-        hour = floor(s["event_time"], HOUR)
+    for s in sql_env.samples:
+        n = len(tok(s.completion, add_special_tokens=False)["input_ids"])
+        hour = floor(s.ts, HOUR)
         for step in range(1, 7):  # cumulative windows [hour, hour + 10 min * step)
-            if s["event_time"] < hour + step * 10 * MIN:
-                groups[(hour, hour + step * 10 * MIN, s["model_id"], n - n % width)].append(n)
+            if s.ts < hour + step * 10 * MIN:
+                groups[(hour, hour + step * 10 * MIN, s.model_id, n - n % width)].append(n)
     expected = Counter({(utc(h), utc(e), m, lo, lo + width - 1, len(ns), sum(ns)): 1
                         for (h, e, m, lo), ns in groups.items()})
     assert len({lo for (_, _, _, lo) in groups}) >= 2, "the data should spread over several buckets"
@@ -339,12 +392,12 @@ def test_token_lengths_use_the_registered_tokenizer(sql_env):
     assert got == expected
 
 
-def dlq_model(record: dict):
+def dlq_model(record: DeadLetter):
     """The model of a dead letter: its model_id, else the payload's (plain json, not the UDF)."""
-    if record["model_id"] is not None:
-        return record["model_id"]
+    if record.model_id is not None:
+        return record.model_id
     try:
-        payload = json.loads(record["payload"])
+        payload = json.loads(record.payload)
     except (TypeError, ValueError):
         return None
     return payload.get("model_id") if isinstance(payload, dict) else None
@@ -352,14 +405,14 @@ def dlq_model(record: dict):
 
 def test_dlq_rate_by_reason(sql_env):
     groups = Counter()
-    for ts, value in sql_env.dlq[:-1]:
-        record = json.loads(value)
-        first = floor(record["source"]["timestamp"], MIN)
+    for _, record in sql_env.dlq[:-1]:
+        first = floor(record.source.timestamp, MIN)
         for start in range(first - 4 * MIN, first + 1, MIN):
-            groups[(start, record["reason"], dlq_model(record))] += 1
+            groups[(start, record.reason, dlq_model(record))] += 1
     expected = Counter({(utc(s), utc(s + 5 * MIN), reason, model, n, approx(n / 5)): 1
                         for (s, reason, model), n in groups.items()})
     assert any(model is None for (_, _, model) in groups) and any(model for (_, _, model) in groups)
+    assert {r.kind for _, r in sql_env.dlq} == {"sample", "config", "change"}
     rows = query(sql_env, "dlq_rate.sql")
     got = Counter((r["window_start"], r["window_end"], r["reason"], r["model_id"], r["dead_letters"],
                    approx(r["per_minute"])) for r in rows)
@@ -369,18 +422,18 @@ def test_dlq_rate_by_reason(sql_env):
 def test_freshness_per_adapter_version(sql_env):
     versions = {}
     for _, v in sql_env.versions[:-1]:
-        versions[v["version_id"]] = v
+        versions[v.version_id] = v
     published = defaultdict(list)
     for ts, b in sql_env.broadcasts[:-1]:
-        v = versions.get(b["version_id"])
-        if v is not None and v["window_end"] <= ts <= v["window_end"] + HOUR:
-            published[b["version_id"]].append(ts)
+        v = versions.get(b.version_id)
+        if v is not None and v.window_end <= ts <= v.window_end + HOUR:
+            published[b.version_id].append(ts)
     expected = Counter()
     for vid, times in published.items():
         v, first = versions[vid], min(times)
         hour = floor(first, HOUR)
-        expected[(utc(hour), utc(hour + HOUR), v["model_id"], vid, v["seq"], v["seq"], utc(v["window_end"]),
-                  utc(first), first - v["window_end"], len(set(times)))] += 1
+        expected[(utc(hour), utc(hour + HOUR), v.model_id, vid, v.seq, v.seq, utc(v.window_end),
+                  utc(first), first - v.window_end, len(set(times)))] += 1
     assert len(expected) == 18 - 2  # one never broadcast, one broadcast too late
     assert any(key[-1] == 2 for key in expected)
     rows = query(sql_env, "freshness.sql")
@@ -393,10 +446,10 @@ def expected_triggers(env) -> list[dict]:
     """One trigger per crossing: rate > threshold, the window before it not above (or absent)."""
     size = TRIGGER_MINUTES * MIN
     windows = defaultdict(lambda: [0, 0])
-    for s in env.feedback:
-        w = windows[(s["model_id"], floor(s["event_time"], size))]
-        w[0] += s.get("label") == "corrected"
-        w[1] += s.get("label") in LABELS
+    for s in env.samples:
+        w = windows[(s.model_id, floor(s.ts, size))]
+        w[0] += s.label == "corrected"
+        w[1] += s.label in LABELS
     triggers, previous = [], {}
     for (model, start), (corrected, labelled) in sorted(windows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if labelled < MIN_LABELLED:
@@ -434,6 +487,10 @@ def test_retrain_trigger_fires_exactly_when_the_threshold_is_crossed(sql_env):
         job.cancel().result()
     got = [json.loads(r.value) for r in records]
     assert [r.key.decode() for r in records] == [t["model_id"] for t in got]
+    # the job reads each as a RetrainTrigger (the evidence fields ride along, ignored)
+    triggers = [RetrainTrigger.from_json(r.value) for r in records]
+    assert [(t.model_id, t.trigger, t.reason, t.window_end) for t in triggers] == \
+        [(t["model_id"], t["trigger"], t["reason"], t["window_end"]) for t in got]
     order = lambda t: (t["window_end"], t["model_id"])
     assert sorted(got, key=order) == sorted(expected, key=order)
     for model in {t["model_id"] for t in got}:  # each model's triggers in window order
@@ -484,8 +541,6 @@ def test_prompt_runs_statements_ending_in_semicolons(sql_env):
                         "quit;\n"
                         "SELECT 'not reached';\n")
     out = io.StringIO()
-    from streamtune.sql_client import cmd_sql
-
     assert cmd_sql(args, stdin=stdin, out=out) == 0
     lines = out.getvalue().splitlines()
     assert lines[:2] == ["v\tl", "2\taccepted"]
@@ -495,13 +550,15 @@ def test_prompt_runs_statements_ending_in_semicolons(sql_env):
 
 
 def test_module_entry_point_help():
-    r = subprocess.run([sys.executable, "-m", "streamtune.sql_client", "--help"], cwd=REPO, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "streamtune.sqlclient", "--help"], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
     assert r.returncode == 0 and "-D NAME=VALUE" in r.stdout and "--max-rows" in r.stdout
 
 
 def test_statements_variables_and_render():
-    from streamtune.sql_client import SqlError, file_variables, is_complete, render, split_statements
+    from streamtune.sqlclient.errors import SqlError
+    from streamtune.sqlclient.runner import file_variables, render
+    from streamtune.sqlclient.scanner import is_complete, split_statements
 
     text = ("-- var topic = t.default   a comment\n"
             "SET 'a' = 'b';  /* block; comment */\n"
@@ -517,8 +574,13 @@ def test_statements_variables_and_render():
     assert not is_complete("SELECT 1") and not is_complete("SELECT ';'  -- x") and is_complete("SELECT 1; -- x")
     assert not is_complete("EXECUTE STATEMENT SET BEGIN INSERT INTO a SELECT 1;")
     assert is_complete("EXECUTE STATEMENT SET BEGIN INSERT INTO a SELECT 1; END;")
-
-    from streamtune.sql_client import cmd_sql
+    assert not is_complete("SELECT 'a;") and not is_complete("SELECT 1; /* open;") and is_complete(";")
+    assert split_statements("SELECT /*+ OPTIONS('a'=';') */ 1 FROM t; SELECT 2") == \
+        ["SELECT /*+ OPTIONS('a'=';') */ 1 FROM t", "SELECT 2"]
+    with pytest.raises(SqlError, match="unterminated ' quote"):
+        split_statements("SELECT 'it''s")
+    with pytest.raises(SqlError, match="unterminated /\\* comment"):
+        split_statements("SELECT 1 /* never closed")
 
     parser = argparse.ArgumentParser(prog="streamtune")
     add_parser(parser.add_subparsers(dest="command"))
@@ -533,7 +595,8 @@ def test_statements_variables_and_render():
 
 def test_every_shipped_file_renders_for_sql_client():
     """What `streamtune sql --render` gives sql-client.sh: no ${...} left, same statements."""
-    from streamtune.sql_client import render, split_statements
+    from streamtune.sqlclient.runner import render
+    from streamtune.sqlclient.scanner import split_statements
 
     shipped = sorted(SQL.glob("*.sql"))
     assert {p.name for p in shipped} == {"ddl.sql", "functions.sql", "samples_per_model.sql", "label_rates.sql",
@@ -546,3 +609,29 @@ def test_every_shipped_file_renders_for_sql_client():
     import udfs
 
     assert split_statements((SQL / "functions.sql").read_text()) == udfs.create_statements()
+
+
+def test_errors_go_to_stderr_with_the_usage_exit_code(capsys, tmp_path):
+    from core.errors import EXIT_USAGE, StreamtuneError
+    from streamtune.sqlclient.errors import SqlError
+    from streamtune.sqlclient.prompt import repl
+
+    assert issubclass(SqlError, StreamtuneError) and SqlError("x").exit_code == EXIT_USAGE == 2
+    undefined, unterminated = tmp_path / "undefined.sql", tmp_path / "unterminated.sql"
+    undefined.write_text("SELECT '${nope}';")
+    unterminated.write_text("SELECT 'open;")
+    parser = argparse.ArgumentParser(prog="streamtune")
+    add_parser(parser.add_subparsers(dest="command"))
+    for argv, message in ((["-D", "no-equals-sign"], "-D wants name=value, got 'no-equals-sign'"),
+                          (["-f", str(tmp_path / "missing.sql")], "missing.sql: No such file or directory"),
+                          (["-f", str(undefined)], "undefined variables ['nope']"),
+                          (["-f", str(unterminated)], "unterminated ' quote")):
+        out = io.StringIO()
+        assert cmd_sql(parser.parse_args(["sql", "--render", "--no-init", *argv]), out=out) == EXIT_USAGE, argv
+        err = capsys.readouterr().err
+        assert err.startswith("streamtune sql: ") and message in err and len(err.splitlines()) == 1, err
+    # the prompt: input ending inside a statement (a table environment is never needed)
+    with pytest.raises(SqlError, match="incomplete statement at end of input"):
+        repl(object(), stdin=io.StringIO("-- a comment; then\nSELECT 1"), out=io.StringIO())
+    assert repl(object(), stdin=io.StringIO("-- only a comment\n"), out=io.StringIO()) == 0
+

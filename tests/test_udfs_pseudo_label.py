@@ -16,12 +16,16 @@ def test_bands(score, expected):
     assert label_for(score, 0.8, 0.5) == expected
 
 
-def test_labels_are_the_feedback_schema_labels():
-    from streamtune.specs import FeedbackSample
+def test_labels_are_the_feedback_sample_labels():
+    from typing import get_args
 
-    for score in (0.1, 0.6, 0.9):
-        FeedbackSample(model_id="m", sample_id="s", prompt="p", completion="c", ts=0,
-                       label=label_for(score, 0.8, 0.5))
+    from core.messages import FeedbackSample
+
+    labels = {label_for(score, 0.8, 0.5) for score in (0.1, 0.6, 0.9)}
+    [literal, _none] = get_args(FeedbackSample.model_fields["label"].annotation)
+    assert labels == set(get_args(literal))
+    for label in labels:
+        FeedbackSample(model_id="m", sample_id="s", prompt="p", completion="c", ts=0, label=label)
 
 
 def test_equal_thresholds_leave_no_corrected_band():

@@ -2,13 +2,13 @@
 
 | function                            | returns | module                |
 |-------------------------------------|---------|-----------------------|
-| token_count(text, tokenizer_name)   | INT     | udfs/token_count.py (registry: udfs/tokenizers.py) |
+| token_count(text, tokenizer_name)   | INT     | udfs/token_count.py (tokenizers: udfs/tokenizer_catalogue.py) |
 | json_path(json_str, path)           | STRING  | udfs/json_path.py     |
 | confidence(logprob, tokens)         | DOUBLE  | udfs/confidence.py    |
 | pseudo_label(score, accept_at, reject_below) | STRING | udfs/pseudo_label.py |
 
 From Python: ``udfs.register_all(t_env)``. From a SQL client (sql-client.sh, where ``udfs``
-is installed or shipped as ``-pyfs udfs.zip``; see sql/README.md), the statements
+is installed, or shipped with ``core`` as ``-pyfs udfs.zip``; see sql/README.md), the statements
 ``udfs.create_statements()`` returns, also in sql/functions.sql:
 
     CREATE TEMPORARY SYSTEM FUNCTION IF NOT EXISTS token_count

@@ -1,6 +1,6 @@
 """`pseudo_label(score, accept_at, reject_below)`: a feedback label for an unlabelled sample.
 
-Labels follow the feedback schema (streamtune/specs.py):
+Labels follow the feedback sample's `label` (core.messages.FeedbackSample):
 
 | score                          | label       | meaning for training                        |
 |--------------------------------|-------------|---------------------------------------------|

@@ -1,10 +1,10 @@
 """`token_count(text, tokenizer_name)`: tokens in `text` under a registered tokenizer.
 
-Backed by the tokenizer registry (udfs/tokenizers.py): `tokenizer_name` is a name given to
-`udfs.tokenizers.register(name, path)`, e.g. the source topic's name, or the built-in
-`whitespace`. Returns INT; NULL when `text` or `tokenizer_name` is NULL. An unknown name
-fails the query with a message naming the registry file and the known names (a silent
-NULL would hide a missing registration).
+Backed by the tokenizer catalogue (udfs/tokenizer_catalogue.py): `tokenizer_name` is a name
+given to `udfs.tokenizer_catalogue.register(name, path)`, e.g. the source topic's name, or
+the built-in `whitespace`. Returns INT; NULL when `text` or `tokenizer_name` is NULL. An
+unknown name fails the query with a message naming the catalogue file and the known names
+(a silent NULL would hide a missing registration).
 
     SELECT model_id, token_count(completion, 'streamtune.feedback') AS tokens FROM feedback;
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 from pyflink.table import DataTypes
 from pyflink.table.udf import udf
 
-from udfs import tokenizers
+from udfs import tokenizer_catalogue
 
 
 def count_tokens(text: str | None, tokenizer_name: str | None) -> int | None:
     if text is None or tokenizer_name is None:
         return None
-    return tokenizers.count(text, tokenizer_name)
+    return tokenizer_catalogue.count(text, tokenizer_name)
 
 
 token_count = udf(count_tokens, input_types=[DataTypes.STRING(), DataTypes.STRING()],

@@ -1,15 +1,16 @@
-"""Named tokenizers for `token_count`, registered at run time (e.g. one per source topic).
+"""The tokenizer catalogue: named tokenizers for `token_count`, added at run time (e.g. one
+per source topic).
 
-The registry is one JSON file, ``<dir>/registry.json``, mapping a name to a local tokenizer:
-a Hugging Face tokenizer directory (its ``tokenizer.json``, or what
+The catalogue is one JSON file, ``<dir>/catalogue.json``, mapping a name to a local
+tokenizer: a Hugging Face tokenizer directory (its ``tokenizer.json``, or what
 ``AutoTokenizer.from_pretrained(dir, local_files_only=True)`` loads) or a ``tokenizer.json``
-file. ``<dir>`` is ``$STREAMTUNE_TOKENIZER_REGISTRY``, else ``<stack data dir>/tokenizers``
-(``$STREAMTUNE_DATA_DIR``, else ``<$STREAMTUNE_HOME or the stack's default home>/data``).
+file. ``<dir>`` is ``$STREAMTUNE_TOKENIZER_CATALOGUE``, else ``<data dir>/tokenizers``
+(core.defaults.tokenizer_catalogue_dir).
 
 Python UDF workers read the same file: a name registered by a client is seen by queries that
 are already running within about a second (the file is re-read when it changes), as long as
 client and workers share the directory (on the compose cluster: a volume mounted on the
-jobmanager and every taskmanager, with STREAMTUNE_TOKENIZER_REGISTRY pointing at it).
+jobmanager and every taskmanager, with STREAMTUNE_TOKENIZER_CATALOGUE pointing at it).
 A tokenizer object (not a path) is saved under ``<dir>/store/<name>/`` so workers can load it.
 
 Built in, needing no file: ``whitespace`` (``len(text.split())``).
@@ -17,14 +18,18 @@ Built in, needing no file: ``whitespace`` (``len(text.split())``).
 Only local files are read; nothing is downloaded. Counts exclude special tokens (BOS/EOS
 that a tokenizer's post-processor would add).
 
->>> from udfs import tokenizers
->>> tokenizers.register("streamtune.feedback", "/var/lib/streamtune/data/models/tiny-llama")  # doctest: +SKIP
->>> tokenizers.count("x=1234;y=", "streamtune.feedback")  # doctest: +SKIP
-9
->>> tokenizers.count("two  words", "whitespace")
+>>> import tempfile
+>>> from tokenizers import Tokenizer, models, pre_tokenizers
+>>> tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+>>> tok.pre_tokenizer = pre_tokenizers.Whitespace()       # words and runs of punctuation
+>>> catalogue = tempfile.mkdtemp()
+>>> stored = register("streamtune.feedback", tok, directory=catalogue)
+>>> count("x=1234;y=", "streamtune.feedback", directory=catalogue)   # x = 1234 ; y =
+6
+>>> count("two  words", "whitespace")
 2
 
-Command line: ``python -m udfs.tokenizers register NAME PATH [--copy] | unregister NAME | list``.
+Command line: ``python -m udfs.tokenizer_catalogue register NAME PATH [--copy] | unregister NAME | list``.
 """
 
 from __future__ import annotations
@@ -41,35 +46,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-ENV_VAR = "STREAMTUNE_TOKENIZER_REGISTRY"
-REGISTRY_FILE = "registry.json"
+from core.defaults import tokenizer_catalogue_dir
+
+CATALOGUE_FILE = "catalogue.json"
 # Kafka topic names fit, so a tokenizer can be named after its source topic.
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 BUILTIN: dict[str, Callable[[str], int]] = {"whitespace": lambda text: len(text.split())}
-RECHECK_SECONDS = 1.0  # how often a reader looks at the registry file for changes
+RECHECK_SECONDS = 1.0  # how often a reader looks at the catalogue file for changes
 
-__all__ = ["register", "unregister", "registered", "names", "get", "count", "registry_dir"]
+__all__ = ["register", "unregister", "registered", "names", "get", "count", "catalogue_dir"]
 
 
-def registry_dir() -> Path:
-    """$STREAMTUNE_TOKENIZER_REGISTRY, else <stack data dir>/tokenizers."""
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser()
-    try:  # the stack's own rules when streamtune is importable (not on a bare UDF worker)
-        from streamtune.stack.config import StackConfig
-
-        return StackConfig.from_env().data_dir / "tokenizers"
-    except ImportError:
-        data = os.environ.get("STREAMTUNE_DATA_DIR")
-        if data:
-            return Path(data).expanduser() / "tokenizers"
-        home = os.environ.get("STREAMTUNE_HOME") or (
-            "/var/lib/streamtune" if os.geteuid() == 0 else str(Path.home() / ".local/state/streamtune"))
-        return Path(home).expanduser() / "data" / "tokenizers"
+def catalogue_dir() -> Path:
+    """$STREAMTUNE_TOKENIZER_CATALOGUE, else <data dir>/tokenizers (core.defaults)."""
+    return tokenizer_catalogue_dir()
 
 
 def _dir(directory) -> Path:
-    return Path(directory).expanduser() if directory is not None else registry_dir()
+    return Path(directory).expanduser() if directory is not None else catalogue_dir()
 
 
 def _check_name(name: str) -> None:
@@ -90,20 +84,20 @@ def _locked(directory: Path):
 
 def _read(directory: Path) -> dict[str, str]:
     try:
-        entries = json.loads((directory / REGISTRY_FILE).read_text())
+        entries = json.loads((directory / CATALOGUE_FILE).read_text())
     except FileNotFoundError:
         return {}
     if not isinstance(entries, dict):
-        raise ValueError(f"{directory / REGISTRY_FILE} is not a JSON object")
+        raise ValueError(f"{directory / CATALOGUE_FILE} is not a JSON object")
     return entries
 
 
 def _write(directory: Path, entries: dict[str, str]) -> None:
     """Atomic: readers see the old file or the new one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".registry-", suffix=".json")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".catalogue-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, directory / REGISTRY_FILE)
+    os.replace(tmp, directory / CATALOGUE_FILE)
     _cache.invalidate()
 
 
@@ -129,7 +123,7 @@ def register(name: str, tokenizer, *, directory=None, copy: bool = False) -> str
 
     Re-registering a name replaces it. The tokenizer is loaded once here, so a bad path
     fails now rather than inside a running query. `copy=True` copies a path into the
-    registry's store first (for workers that share only the registry directory). Objects
+    catalogue's store first (for workers that share only the catalogue directory). Objects
     are always saved there. Returns the registered path.
     """
     _check_name(name)
@@ -177,7 +171,7 @@ def unregister(name: str, *, directory=None) -> bool:
 
 
 def registered(*, directory=None) -> dict[str, str]:
-    """The registry file's entries: name -> path (built-ins excluded)."""
+    """The catalogue file's entries: name -> path (built-ins excluded)."""
     return _read(_dir(directory))
 
 
@@ -186,7 +180,7 @@ def names(*, directory=None) -> list[str]:
 
 
 class _Cache:
-    """Registry entries and loaded tokenizers, refreshed when the registry file changes."""
+    """Catalogue entries and loaded tokenizers, refreshed when the catalogue file changes."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -204,7 +198,7 @@ class _Cache:
             if now - self.checked.get(directory, -1e9) >= RECHECK_SECONDS:
                 self.checked[directory] = now
                 try:
-                    st = (directory / REGISTRY_FILE).stat()
+                    st = (directory / CATALOGUE_FILE).stat()
                     stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
                 except FileNotFoundError:
                     stamp = None
@@ -215,9 +209,9 @@ class _Cache:
                     self.loaded = {k: v for k, v in self.loaded.items() if k[0] != directory}
             path = self.entries.get(directory, {}).get(name)
             if path is None:
-                raise LookupError(f"unknown tokenizer {name!r} (registry {directory / REGISTRY_FILE}; "
+                raise LookupError(f"unknown tokenizer {name!r} (catalogue {directory / CATALOGUE_FILE}; "
                                   f"known: {sorted(set(BUILTIN) | set(self.entries.get(directory, {})))}); "
-                                  "register it with udfs.tokenizers.register(name, path)")
+                                  "register it with udfs.tokenizer_catalogue.register(name, path)")
             hit = self.loaded.get((directory, name))
             if hit is None or hit[0] != path:
                 hit = (path, _load(path))
@@ -243,13 +237,14 @@ def count(text: str, name: str, *, directory=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m udfs.tokenizers", description="the tokenizer registry")
-    p.add_argument("--directory", help=f"registry directory (default ${ENV_VAR} or <data dir>/tokenizers)")
+    p = argparse.ArgumentParser(prog="python -m udfs.tokenizer_catalogue", description="the tokenizer catalogue")
+    p.add_argument("--directory",
+                   help="catalogue directory (default $STREAMTUNE_TOKENIZER_CATALOGUE or <data dir>/tokenizers)")
     sub = p.add_subparsers(dest="action", required=True)
     r = sub.add_parser("register")
     r.add_argument("name")
     r.add_argument("path")
-    r.add_argument("--copy", action="store_true", help="copy it into the registry's store directory")
+    r.add_argument("--copy", action="store_true", help="copy it into the catalogue's store directory")
     u = sub.add_parser("unregister")
     u.add_argument("name")
     sub.add_parser("list")
