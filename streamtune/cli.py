@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
 
     from .api.cli import add_parsers as add_api_parsers
-    from .sql_client import add_parser as add_sql_parser
+    from .sqlclient.command import add_parser as add_sql_parser
 
     from .cdc import add_parser as add_cdc_parser
 
