@@ -1,8 +1,9 @@
 """Freshness: time from a window's close to its version being ready in MLflow.
 
 A live stream whose event time is the wall clock (a window of 2 s holds ~32 samples) runs
-through the job on an embedded mini-cluster, and the registrar registers versions as their
-checkpoints complete. For each version, freshness = registered-in-MLflow time − window end;
+through the job on an embedded mini-cluster, which registers its versions in MLflow as their
+checkpoints complete and broadcasts each (the deployed path: nothing else runs). For each
+version, freshness = arrival of its broadcast − window end;
 the window end is when its last sample could arrive, so the window wait is already taken
 out. Prints p50 and p95 against the goal: checkpoint interval + 1 s.
 
@@ -12,7 +13,6 @@ out. Prints p50 and p95 against the goal: checkpoint interval + 1 s.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -23,11 +23,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from core.messages import FeedbackSample  # noqa: E402
+from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+
+from core.messages import AdapterVersionBroadcast, FeedbackSample  # noqa: E402
 from streamtune.demo import quiet_libraries  # noqa: E402
 from streamtune.feedback import producer, send_config  # noqa: E402
 from streamtune.local_job import LocalJob  # noqa: E402
-from streamtune.registrar import Registrar, RegistrarConfig  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
 from streamtune.testing import job_args, job_topics, spec  # noqa: E402
 from streamtune.tinymodel import build_tiny_llama, digit_pairs  # noqa: E402
@@ -55,16 +56,18 @@ def main() -> None:
                             "--checkpoint-interval-ms", str(args.checkpoint_ms), "--job-name", f"fresh-{u}"),
                    tmp / "chk", tmp / "job.log")
     registered: dict[str, float] = {}
-
-    def on_event(line: str) -> None:
-        m = re.search(r"registered \S+ v\d+ \(version_id (\S+)\)", line)
-        if m:
-            registered[m.group(1)] = time.time()
-
-    registrar = Registrar(RegistrarConfig(config.kafka_bootstrap, config.mlflow_uri, topics["versions"],
-                                          f"bench.fresh-{u}.adapter-versions", f"fresh-{u}"), on_event=on_event)
     stop = threading.Event()
-    worker = threading.Thread(target=registrar.run, args=(stop,), daemon=True)
+
+    def follow() -> None:  # broadcasts arrive once the version is in MLflow
+        consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, fetch_max_wait_ms=20)
+        consumer.assign([TopicPartition(topics["adapter-versions"], 0)])
+        while not stop.is_set():
+            for records in consumer.poll(timeout_ms=200).values():
+                for r in records:
+                    registered.setdefault(AdapterVersionBroadcast.from_json(r.value).version_id, time.time())
+        consumer.close()
+
+    worker = threading.Thread(target=follow, daemon=True)
     worker.start()
     job.start()
     time.sleep(12)  # start-up; the stream starts once the job runs
@@ -84,7 +87,6 @@ def main() -> None:
     finally:
         stop.set()
         worker.join(timeout=30)
-        registrar.close()
         out.close()
         job.kill()
     # version_id = model@<window_end>#...: freshness is registration time minus window end.

@@ -15,7 +15,6 @@ is assumed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,14 +26,13 @@ from mlflow.entities import Metric, Param
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException, RestException
 
-from core.errors import ArtifactIntegrityError
-from core.messages import VersionRecord
+from connectors.artifact_store import ArtifactStore
+from core.messages import AdapterVersionBroadcast, VersionRecord
 
 log = logging.getLogger(__name__)
 
 TAG = "streamtune."
 METRICS = ("loss_before", "loss_after", "samples", "tokens", "step_seconds")
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def make_client(tracking_uri: str) -> MlflowClient:
@@ -51,29 +49,17 @@ def find_version(client: MlflowClient, model_id: str, version_id: str) -> ModelV
     return min(found, key=lambda v: int(v.version))  # a racing duplicate: the first one wins
 
 
-def verify_artifacts(record: VersionRecord) -> str:
-    """Check the adapter file's sha256 against the record; returns the file's path."""
-    path = os.path.join(record.artifact_dir, ADAPTER_FILE)
-    if not os.path.isfile(path):
-        raise ArtifactIntegrityError(f"version {record.version_id}: {path} does not exist")
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != record.sha256:
-        raise ArtifactIntegrityError(
-            f"version {record.version_id}: sha256 mismatch for {path}: "
-            f"record says {record.sha256}, file has {digest.hexdigest()}")
-    return path
+def register_version(client: MlflowClient, record: VersionRecord, store: ArtifactStore) -> tuple[ModelVersion, bool]:
+    """Register one version record; returns (model version, created). Idempotent by version_id.
 
-
-def register_version(client: MlflowClient, record: VersionRecord) -> tuple[ModelVersion, bool]:
-    """Register one version record; returns (model version, created). Idempotent by version_id."""
+    The adapter is read from the artifact store and checked against the record's sha256
+    first: ArtifactIntegrityError (never registered) when it is missing or altered.
+    """
     model_id, version_id = record.model_id, record.version_id
     existing = find_version(client, model_id, version_id)
     if existing is not None:
         return existing, False
-    verify_artifacts(record)
+    files = store.get(record.artifact_uri, record.sha256)
     _ensure_registered_model(client, model_id)
     experiment_id = _ensure_experiment(client, f"streamtune/{model_id}")
 
@@ -95,8 +81,13 @@ def register_version(client: MlflowClient, record: VersionRecord) -> tuple[Model
             Param("trigger", record.trigger),
             Param("base_model", record.base_model),
         ])
-        client.log_artifacts(run_id, record.artifact_dir, "adapter")
         with tempfile.TemporaryDirectory() as tmp:
+            adapter_dir = os.path.join(tmp, "adapter")
+            os.mkdir(adapter_dir)
+            for name, data in files.items():
+                with open(os.path.join(adapter_dir, name), "wb") as f:
+                    f.write(data)
+            client.log_artifacts(run_id, adapter_dir, "adapter")
             lineage = os.path.join(tmp, "lineage.json")
             with open(lineage, "w") as f:
                 json.dump({"version_id": version_id, "window_start": record.window_start,
@@ -109,7 +100,8 @@ def register_version(client: MlflowClient, record: VersionRecord) -> tuple[Model
     client.log_batch(_ensure_training_run(client, experiment_id, model_id), metrics=metric_rows)
 
     tags = {
-        "version_id": version_id, "sha256": record.sha256, "base_model": record.base_model,
+        "version_id": version_id, "sha256": record.sha256, "artifact_uri": record.artifact_uri,
+        "base_model": record.base_model,
         "window_start": record.window_start, "window_end": record.window_end,
         "samples": metrics.samples, "seq": seq, "config_version": record.config_version,
         "fresh_adapter": record.fresh_adapter, "rank": adapter.rank,
@@ -128,9 +120,12 @@ def register_version(client: MlflowClient, record: VersionRecord) -> tuple[Model
     return client.get_model_version(model_id, mv.version), True
 
 
-def artifact_uri(client: MlflowClient, mv: ModelVersion) -> str:
-    """The artifact store URI of a version's source (its run's `adapter/` folder)."""
-    return client.get_run(mv.run_id).info.artifact_uri.rstrip("/") + "/adapter"
+def broadcast_for(record: VersionRecord, mv: ModelVersion) -> AdapterVersionBroadcast:
+    """What inference processes hear about a registered version."""
+    return AdapterVersionBroadcast(
+        version_id=record.version_id, model_id=record.model_id, seq=record.seq, mlflow_version=int(mv.version),
+        model_uri=f"models:/{record.model_id}/{mv.version}", sha256=record.sha256,
+        artifact_uri=record.artifact_uri, aliases=sorted(mv.aliases))
 
 
 def _quote(value: str) -> str:

@@ -9,7 +9,8 @@ so a job started with no options finds what `streamtune stack up` started:
 | data dir         | STREAMTUNE_DATA_DIR                       | <home>/data                      |
 | Kafka bootstrap  | STREAMTUNE_KAFKA_BOOTSTRAP, else STREAMTUNE_HOST:STREAMTUNE_KAFKA_PORT | 127.0.0.1:9092 |
 | base model       |                                           | <data dir>/models/tiny-llama     |
-| artifact dir     |                                           | <data dir>/adapters              |
+| artifact store   | STREAMTUNE_ARTIFACT_STORE                 | file://<data dir>/adapters       |
+| MLflow tracking  | STREAMTUNE_MLFLOW_URI, else http://STREAMTUNE_HOST:STREAMTUNE_MLFLOW_PORT | http://127.0.0.1:5000 |
 | tokenizer catalogue | STREAMTUNE_TOKENIZER_CATALOGUE         | <data dir>/tokenizers            |
 
 >>> kafka_bootstrap({"STREAMTUNE_HOST": "10.0.0.5", "STREAMTUNE_KAFKA_PORT": "19092"})
@@ -61,8 +62,15 @@ def base_model_dir(env: Mapping[str, str] | None = None) -> Path:
     return data_dir(env) / "models" / "tiny-llama"
 
 
-def artifact_dir(env: Mapping[str, str] | None = None) -> Path:
-    return data_dir(env) / "adapters"
+def artifact_store(env: Mapping[str, str] | None = None) -> str:
+    """Where trainers write adapters and registrars read them: a URI every machine reaches."""
+    return _env(env).get("STREAMTUNE_ARTIFACT_STORE") or f"file://{data_dir(env) / 'adapters'}"
+
+
+def mlflow_uri(env: Mapping[str, str] | None = None) -> str:
+    e = _env(env)
+    return e.get("STREAMTUNE_MLFLOW_URI") or \
+        f"http://{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_MLFLOW_PORT', '5000')}"
 
 
 def tokenizer_catalogue_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -16,7 +16,7 @@ source, e.g. `"stream_source": "postgres://db/app?table=public.answers"` or
 
 Options: --cdc-topic (repeatable, required), --mapping (YAML/JSON, required), and the
 stream_finetune options: --config-topic, --versions-topic, --dlq-topic, --base-model,
---artifact-dir, --checkpoint-*, --restore-from, … (`--help` lists them).
+--artifact-store, --tracking-uri, --broadcast-topic, --no-register, --checkpoint-*, --restore-from, … (`--help` lists them).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pyflink.common import Types
 from pyflink.datastream import StreamExecutionEnvironment
 
 from core.errors import ConfigError
-from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, train
+from jobs.wiring import (JobConfig, add_job_arguments, environment, kafka_rows, register, sink_dead_letters,
+                         table_environment, train)
 from operators.cdc_mapping import CdcMapping
 from operators.row_changes import RowChangeFunction
 from operators.validate import CHANGE_TAG, DLQ_TAG, VALID_TYPE, ValidateFunction
@@ -45,7 +46,8 @@ CDC_CONSUMER_PROPERTIES = {"fetch.max.wait.ms": "5"}
 
 
 def build(env: StreamExecutionEnvironment, job: JobConfig, cdc_topics: list[str], mapping: CdcMapping) -> None:
-    rows = kafka_rows(env, job, "cdc_input", [*cdc_topics, job.config_topic], CDC_CONSUMER_PROPERTIES)
+    t_env = table_environment(env)
+    rows = kafka_rows(t_env, job, "cdc_input", [*cdc_topics, job.config_topic], CDC_CONSUMER_PROPERTIES)
     validated = rows.process(ValidateFunction(mapping.sources, job.config_topic, job.max_record_bytes,
                                               change_topics=frozenset(cdc_topics)),
                              output_type=VALID_TYPE).name("validate").uid("validate")
@@ -53,7 +55,11 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, cdc_topics: list[str]
               .key_by(lambda c: c[0], key_type=Types.STRING())
               .process(RowChangeFunction(mapping), output_type=VALID_TYPE)
               .name("row-changes").uid("row-changes"))
-    train(validated.union(mapped), [validated.get_side_output(DLQ_TAG), mapped.get_side_output(DLQ_TAG)], job)
+    dead_letters = [validated.get_side_output(DLQ_TAG), mapped.get_side_output(DLQ_TAG),
+                    *train(validated.union(mapped), job)]
+    if job.register:
+        dead_letters += register(t_env, job)
+    sink_dead_letters(dead_letters, job)
 
 
 def main(argv: list[str] | None = None) -> None:

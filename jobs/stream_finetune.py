@@ -12,8 +12,12 @@ Topics (created when missing):
 |                    |                             | RetrainTrigger {model_id, trigger, reason}     |
 | --versions-topic   | streamtune.versions         | VersionRecord, exactly-once (read_committed)   |
 | --dlq-topic        | streamtune.dlq              | DeadLetter: payload, reason, source offset     |
+| --broadcast-topic  | streamtune.adapter-versions | AdapterVersionBroadcast per registered version |
 
-Other options: --base-model (default HF directory when a spec names none), --artifact-dir,
+The job also registers its own committed versions in MLflow (--tracking-uri) and broadcasts
+them (jobs/wiring.py `register`); --no-register leaves that to `streamtune registrar`.
+
+Other options: --base-model (default HF directory when a spec names none), --artifact-store,
 --unknown-model-grace-seconds (30, wall clock), --max-record-bytes (65536), --lateness-ms (0),
 --idle-timeout-ms (2000), --checkpoint-interval-ms (the cluster's, else 10000),
 --checkpoint-dir and --restore-from (mini-cluster runs), --parallelism.
@@ -27,16 +31,21 @@ import sys
 from pyflink.datastream import StreamExecutionEnvironment
 
 from core import defaults
-from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, train
+from jobs.wiring import (JobConfig, add_job_arguments, environment, kafka_rows, register, sink_dead_letters,
+                         table_environment, train)
 from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction
 
 
 def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str) -> None:
-    rows = kafka_rows(env, job, "streamtune_input", [feedback_topic, job.config_topic])
+    t_env = table_environment(env)
+    rows = kafka_rows(t_env, job, "streamtune_input", [feedback_topic, job.config_topic])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes),
                              output_type=VALID_TYPE).name("validate").uid("validate")
-    train(validated, [validated.get_side_output(DLQ_TAG)], job)
+    dead_letters = [validated.get_side_output(DLQ_TAG), *train(validated, job)]
+    if job.register:
+        dead_letters += register(t_env, job)
+    sink_dead_letters(dead_letters, job)
 
 
 def main(argv: list[str] | None = None) -> None:

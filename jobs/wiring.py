@@ -1,5 +1,6 @@
 """What both training jobs share: their options, a frozen job config, the Flink environment,
-and the trainer half of the pipeline (key_by model → LoRA trainer → exactly-once sinks).
+the trainer half of the pipeline (key_by model → LoRA trainer → exactly-once versions), the
+registration pipeline (the job's own committed versions → MLflow → broadcast) and the DLQ.
 
 The entry points (jobs/stream_finetune.py, jobs/cdc_retrain.py) parse arguments in their
 `main` only and pass a `JobConfig` and plain values down.
@@ -7,8 +8,8 @@ The entry points (jobs/stream_finetune.py, jobs/cdc_retrain.py) parse arguments 
 >>> p = argparse.ArgumentParser()
 >>> add_job_arguments(p)
 >>> job = JobConfig.from_args(p.parse_args(["--bootstrap", "kafka:9092", "--parallelism", "2"]), "demo")
->>> job.bootstrap, job.parallelism, job.trainer_settings().unknown_model_grace_ms
-('kafka:9092', 2, 30000)
+>>> job.bootstrap, job.parallelism, job.trainer_settings().unknown_model_grace_ms, job.register
+('kafka:9092', 2, 30000, True)
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from pyflink.common import Configuration, Types
 from pyflink.datastream import CheckpointingMode, StreamExecutionEnvironment
 from pyflink.table import StreamTableEnvironment
 
-from connectors.flink_kafka import exactly_once_sink, input_table_ddl
+from connectors.flink_kafka import at_least_once_sink, exactly_once_sink, input_table_ddl
+from connectors.artifact_store import store_uri
 from connectors.kafka import create_topic
 from core import defaults
 from operators.finetune_function import FinetuneFunction, TrainerSettings
+from operators.registration import VERSION_TYPE, RegistrationFunction, VersionReader
 from operators.validate import DLQ_TAG
 
 
@@ -40,9 +43,12 @@ class JobConfig:
     config_topic: str = defaults.CONFIG_TOPIC
     versions_topic: str = defaults.VERSIONS_TOPIC
     dlq_topic: str = defaults.DLQ_TOPIC
+    broadcast_topic: str = defaults.ADAPTER_VERSIONS_TOPIC
     partitions: int = 1                       # for topics this job creates
     base_model: str = str(defaults.base_model_dir())
-    artifact_dir: str = str(defaults.artifact_dir())
+    artifact_store: str = defaults.artifact_store()
+    tracking_uri: str = defaults.mlflow_uri()
+    register: bool = True                     # the registration pipeline runs in this job
     unknown_model_grace_ms: int = 30_000
     max_record_bytes: int = 65536
     lateness_ms: int = 0
@@ -58,15 +64,17 @@ class JobConfig:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if f.name not in ("job_name", "unknown_model_grace_ms") and hasattr(args, f.name)}
         values["unknown_model_grace_ms"] = int(args.unknown_model_grace_seconds * 1000)
+        values["register"] = not args.no_register
         return cls(job_name=job_name, **{**values, **overrides})
 
     def trainer_settings(self) -> TrainerSettings:
         return TrainerSettings(default_base_model=str(Path(self.base_model).resolve()),
-                               artifact_dir=str(Path(self.artifact_dir).resolve()),
-                               unknown_model_grace_ms=self.unknown_model_grace_ms, lateness_ms=self.lateness_ms)
+                               artifact_store=store_uri(self.artifact_store),
+                               unknown_model_grace_ms=self.unknown_model_grace_ms, lateness_ms=self.lateness_ms,
+                               tracking_uri=self.tracking_uri)
 
     def create_topics(self, *inputs: str) -> None:
-        for topic in (*inputs, self.config_topic, self.versions_topic, self.dlq_topic):
+        for topic in (*inputs, self.config_topic, self.versions_topic, self.dlq_topic, self.broadcast_topic):
             create_topic(self.bootstrap, topic, self.partitions)
 
 
@@ -76,9 +84,16 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-topic", default=defaults.CONFIG_TOPIC)
     p.add_argument("--versions-topic", default=defaults.VERSIONS_TOPIC)
     p.add_argument("--dlq-topic", default=defaults.DLQ_TOPIC)
+    p.add_argument("--broadcast-topic", default=defaults.ADAPTER_VERSIONS_TOPIC,
+                   help="registered versions for inference (AdapterVersionBroadcast)")
     p.add_argument("--partitions", type=int, default=1, help="for topics this job creates")
     p.add_argument("--base-model", default=str(defaults.base_model_dir()))
-    p.add_argument("--artifact-dir", default=str(defaults.artifact_dir()))
+    p.add_argument("--artifact-store", default=defaults.artifact_store(),
+                   help="adapter artifacts: a directory every TaskManager and registrar shares, "
+                        "s3://…, gs://…, hdfs://… or mlflow-artifacts://host:port/prefix")
+    p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="the MLflow server versions register in")
+    p.add_argument("--no-register", action="store_true",
+                   help="no registration pipeline in this job (run `streamtune registrar` instead)")
     p.add_argument("--unknown-model-grace-seconds", type=float, default=30.0)
     p.add_argument("--max-record-bytes", type=int, default=65536)
     p.add_argument("--lateness-ms", type=int, default=0)
@@ -111,23 +126,48 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
     return env
 
 
-def kafka_rows(env: StreamExecutionEnvironment, job: JobConfig, table: str, topics: list[str],
-               consumer_properties: dict[str, str] | None = None):
-    """The job's Kafka input as rows (key, payload, topic, partition, offset) with event time."""
-    t_env = StreamTableEnvironment.create(env)
-    t_env.execute_sql(input_table_ddl(table, topics, job.bootstrap, f"{job.job_name}-input", job.lateness_ms,
+def table_environment(env: StreamExecutionEnvironment) -> StreamTableEnvironment:
+    return StreamTableEnvironment.create(env)
+
+
+def kafka_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics: list[str],
+               consumer_properties: dict[str, str] | None = None, reader: str = "input"):
+    """Kafka records as rows (key, payload, topic, partition, offset) with event time, read_committed."""
+    t_env.execute_sql(input_table_ddl(table, topics, job.bootstrap, f"{job.job_name}-{reader}", job.lateness_ms,
                                       job.idle_timeout_ms, consumer_properties))
     return t_env.to_data_stream(t_env.from_path(table))
 
 
-def train(trainer_input, dead_letters: list, job: JobConfig) -> None:
-    """key_by(model) → LoRA trainer → exactly-once versions; every dead letter → the DLQ."""
+def train(trainer_input, job: JobConfig) -> list:
+    """key_by(model) → LoRA trainer → exactly-once versions; returns the trainer's dead letters."""
     versions = (trainer_input.key_by(lambda r: r[1], key_type=Types.STRING())
                 .process(FinetuneFunction(job.trainer_settings()), output_type=Types.STRING())
                 .name("lora-trainer").uid("lora-trainer"))
-
     versions.sink_to(exactly_once_sink(job.bootstrap, job.versions_topic, f"{job.job_name}-versions")) \
         .name("versions-sink").uid("versions-sink")
-    dead_letters[0].union(*dead_letters[1:], versions.get_side_output(DLQ_TAG)) \
+    return [versions.get_side_output(DLQ_TAG)]
+
+
+def register(t_env: StreamTableEnvironment, job: JobConfig) -> list:
+    """The job's committed versions → MLflow (in order per model) → the broadcast topic.
+
+    A pipeline of its own inside the job (operators/registration.py): the cluster supervises
+    and restarts it with the training; an MLflow outage queues versions in its state and
+    never blocks training. Returns its dead letters (unreadable records, bad artifacts).
+    """
+    rows = kafka_rows(t_env, job, "versions_input", [job.versions_topic], reader="registrar")
+    records = rows.process(VersionReader(), output_type=VERSION_TYPE).name("read-versions").uid("read-versions")
+    broadcasts = (records.key_by(lambda r: r[0], key_type=Types.STRING())
+                  .process(RegistrationFunction(job.tracking_uri, store_uri(job.artifact_store)),
+                           output_type=Types.STRING())
+                  .name("register-versions").uid("register-versions"))
+    broadcasts.sink_to(at_least_once_sink(job.bootstrap, job.broadcast_topic)) \
+        .name("broadcast-sink").uid("broadcast-sink")
+    return [records.get_side_output(DLQ_TAG), broadcasts.get_side_output(DLQ_TAG)]
+
+
+def sink_dead_letters(dead_letters: list, job: JobConfig) -> None:
+    """Every dead letter of the job → the DLQ topic, exactly-once."""
+    dead_letters[0].union(*dead_letters[1:]) \
         .sink_to(exactly_once_sink(job.bootstrap, job.dlq_topic, f"{job.job_name}-dlq")) \
         .name("dlq-sink").uid("dlq-sink")

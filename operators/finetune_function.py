@@ -10,10 +10,6 @@ when the checkpoint holding the matching state completes.
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,34 +27,15 @@ from operators.windowing import Pending, capped_batch, due_batch, offset_ranges,
 @dataclass(frozen=True)
 class TrainerSettings:
     default_base_model: str
-    artifact_dir: str
+    artifact_store: str                  # URI (connectors/artifact_store.py)
     unknown_model_grace_ms: int
     lateness_ms: int = 0
+    tracking_uri: str | None = None      # for an mlflow-artifacts:// store
 
 
 def version_id_for(model_id: str, end: int, batch: list[Pending]) -> str:
     first, last = batch[0], batch[-1]
     return f"{model_id}@{end}#{first.partition}:{first.offset}-{last.partition}:{last.offset}"
-
-
-def write_artifact(root: str, model_id: str, version_id: str, files: dict, sha256: str) -> str:
-    """Write the PEFT files once, atomically, at a path named by the version; a replay finds them."""
-    target = Path(root) / model_id / re.sub(r"[^A-Za-z0-9._-]", "_", version_id)
-    if target.exists():
-        existing = hashlib.sha256((target / "adapter_model.safetensors").read_bytes()).hexdigest()
-        if existing != sha256:
-            raise RuntimeError(f"artifact {target} exists with sha256 {existing}, replay produced {sha256}: "
-                               "the step is not deterministic on this hardware")
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    for name, data in files.items():
-        (tmp / name).write_bytes(data)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # a concurrent writer won with the same content
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
 
 
 def _lineage_origin(p: Pending) -> ChangeOrigin:
@@ -71,8 +48,10 @@ class FinetuneFunction(KeyedProcessFunction):
         self.settings = settings
 
     def open(self, runtime_context):
+        from connectors.artifact_store import ArtifactStore
         from operators.lora_trainer import LoraTrainer, threads_from_env
 
+        self.store = ArtifactStore(self.settings.artifact_store, self.settings.tracking_uri)
         threads_from_env()
         if Path(self.settings.default_base_model, "config.json").exists():
             LoraTrainer.for_base(self.settings.default_base_model)  # load once, before the first window
@@ -244,7 +223,8 @@ class FinetuneFunction(KeyedProcessFunction):
         base = spec.base_model or self.settings.default_base_model
         trainer = LoraTrainer.for_base(base)
         result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed)
-        artifact = write_artifact(self.settings.artifact_dir, model_id, version_id, result.files, result.sha256)
+        # Written before the state moves on; a replay writes the same bytes under the same name.
+        artifact = self.store.put(result.files, result.sha256)
         seq = (self.seq.value() or 0) + 1
         self.adapter.update(result.state)
         self.seq.update(seq)
@@ -255,7 +235,7 @@ class FinetuneFunction(KeyedProcessFunction):
         # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).
         return VersionRecord(
             version_id=version_id, model_id=model_id, seq=seq, window_start=start, window_end=end,
-            artifact_dir=artifact, sha256=result.sha256, base_model=trainer.base_dir,
+            artifact_uri=artifact, sha256=result.sha256, base_model=trainer.base_dir,
             config_version=cfg["version"], fresh_adapter=result.fresh_adapter,
             adapter=spec.adapter_config, trigger_policy=spec.trigger_policy,
             metrics=VersionMetrics(**result.metrics, operator_seconds=round(time.perf_counter() - started, 4)),

@@ -46,9 +46,9 @@ CREATE TEMPORARY TABLE feedback (
 -- Dead letters (core.messages.DeadLetter). Event time: when the rejected record was produced
 -- (source.timestamp), else this record's Kafka timestamp.
 CREATE TEMPORARY TABLE dlq (
-  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable',
+  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable | artifact_integrity',
   detail STRING,
-  kind STRING COMMENT 'sample | config | trigger | change',
+  kind STRING COMMENT 'sample | config | trigger | change | version',
   model_id STRING COMMENT 'NULL unless known (unknown_model)',
   payload STRING COMMENT 'the original record value',
   source ROW<`topic` STRING, `partition` INT, `offset` BIGINT, `timestamp` BIGINT> COMMENT 'where the record was read',
@@ -76,7 +76,7 @@ CREATE TEMPORARY TABLE versions (
   window_start BIGINT COMMENT 'epoch ms',
   window_end BIGINT COMMENT 'epoch ms',
   sha256 STRING,
-  artifact_dir STRING,
+  artifact_uri STRING COMMENT 'artifact store URI of the adapter files, named by their sha256',
   base_model STRING,
   config_version INT,
   fresh_adapter BOOLEAN,

@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     from .sqlclient.command import add_parser as add_sql_parser
 
     from .cdc import add_parser as add_cdc_parser
+    from .registrar import add_parser as add_registrar_parser
 
     add_api_parsers(sub)
     add_cdc_parser(sub)
+    add_registrar_parser(sub)
     add_sql_parser(sub)
     args = parser.parse_args(argv)
     try:

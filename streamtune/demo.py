@@ -14,14 +14,13 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 import uuid
 import warnings
 from pathlib import Path
 
 from connectors.kafka import read_topic
-from core.messages import FinetuneSpec
+from core.messages import AdapterVersionBroadcast, FinetuneSpec
 
 from .feedback import digit_samples, producer, send_config, send_samples
 from .stack import Stack, StackConfig, StackError
@@ -68,8 +67,31 @@ def champion_exact_match(config: StackConfig, model_id: str, base_dir: Path, hel
         return baseline, exact_match(tuned, tokenizer, held_out)
 
 
+def follow_broadcasts(config: StackConfig, topic: str, count: int, timeout_s: float, say) -> dict[str, int]:
+    """version_id → MLflow version, from the adapter-versions topic, until `count` arrived."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, enable_auto_commit=False,
+                             fetch_max_wait_ms=100)
+    consumer.assign([TopicPartition(topic, 0)])
+    consumer.seek_to_beginning()
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(seen) < count and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=500).values():
+                for r in records:
+                    b = AdapterVersionBroadcast.from_json(r.value)
+                    if b.version_id not in seen:  # a replay may broadcast a version again
+                        seen[b.version_id] = b.mlflow_version
+                        say(f"registered {b.model_id} v{b.mlflow_version} (seq {b.seq}) "
+                            f"aliases {', '.join(b.aliases)}")
+    finally:
+        consumer.close()
+    return seen
+
+
 def run_demo(config: StackConfig, as_json: bool = False) -> int:
-    from .registrar import Registrar, RegistrarConfig
     from .tinymodel import build_tiny_llama, digit_pairs
 
     say = (lambda line: None) if as_json else (lambda line: print(line, flush=True))
@@ -84,8 +106,8 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", [
         "--bootstrap", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
         "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
-        "--dlq-topic", topics["dlq"], "--base-model", str(base_dir),
-        "--artifact-dir", str(config.data_dir / "adapters"),
+        "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"], "--base-model", str(base_dir),
+        "--artifact-store", str(config.data_dir / "adapters"), "--tracking-uri", config.mlflow_uri,
         "--checkpoint-interval-ms", "2000", "--job-name", f"demo-{run}"])
     say(f"job {job_id} submitted to {config.flink_rest_url}")
 
@@ -105,25 +127,16 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     bad.close()
     say(f"sent {sent} feedback samples ({WINDOWS} windows of {SAMPLES_PER_WINDOW}) and {len(MALFORMED)} malformed records")
 
-    registrar = Registrar(RegistrarConfig(config.kafka_bootstrap, config.mlflow_uri, topics["versions"],
-                                          topics["adapter-versions"], f"demo-{run}-registrar"), on_event=say)
-    stop = threading.Event()
-    worker = threading.Thread(target=registrar.run, args=(stop,), daemon=True)
-    worker.start()
-    deadline = time.monotonic() + 300
-    while registrar.counts["registered"] < WINDOWS and time.monotonic() < deadline:
-        time.sleep(0.5)
-    stop.set()
-    worker.join(timeout=30)
-    registrar.close()
+    # The job registers its committed versions in MLflow and broadcasts each: follow the broadcasts.
+    registered = follow_broadcasts(config, topics["adapter-versions"], WINDOWS, timeout_s=300, say=say)
     cancel_job(config, job_id)
     say(f"job {job_id} cancelled")
-    if registrar.counts["registered"] < WINDOWS:
-        raise StackError(f"only {registrar.counts['registered']} of {WINDOWS} versions registered in 300 s")
+    if len(registered) < WINDOWS:
+        raise StackError(f"only {len(registered)} of {WINDOWS} versions registered in 300 s")
 
     dlq = read_topic(config.kafka_bootstrap, topics["dlq"], expect=len(MALFORMED), timeout=20)
     baseline, final = champion_exact_match(config, model_id, base_dir, held_out)
-    summary = {"model_id": model_id, "versions": registrar.counts["registered"],
+    summary = {"model_id": model_id, "versions": len(registered),
                "baseline_exact_match": baseline, "final_exact_match": final,
                "samples": sent, "dlq": len(dlq), "tracking_uri": config.mlflow_uri}
     if as_json:

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata
 
 from connectors.kafka import create_topic
-from connectors.mlflow_registry import artifact_uri, make_client, register_version
+from connectors.artifact_store import ArtifactStore
+from connectors.mlflow_registry import broadcast_for, make_client, register_version
 from core import defaults
 from core.errors import ArtifactIntegrityError, InvalidMessage
-from core.messages import AdapterVersionBroadcast, VersionRecord
+from core.messages import VersionRecord
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class RegistrarConfig:
     versions_topic: str = defaults.VERSIONS_TOPIC
     broadcast_topic: str = defaults.ADAPTER_VERSIONS_TOPIC
     group_id: str = "streamtune-registrar"
+    artifact_store: str = field(default_factory=defaults.artifact_store)
 
 
 class Registrar:
@@ -53,6 +55,7 @@ class Registrar:
         self.on_event = on_event or (lambda line: None)
         self.counts = {"seen": 0, "registered": 0, "duplicates": 0, "invalid": 0}
         self.client = make_client(config.tracking_uri)
+        self.store = ArtifactStore(config.artifact_store, config.tracking_uri)
         for topic in (config.versions_topic, config.broadcast_topic):
             create_topic(config.bootstrap, topic)
         self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all")
@@ -114,7 +117,7 @@ class Registrar:
         where = f"{rec.topic}[{rec.partition}]@{rec.offset}"
         try:
             record = VersionRecord.from_json(rec.value)
-            mv, created = register_version(self.client, record)
+            mv, created = register_version(self.client, record, self.store)
         except (InvalidMessage, ArtifactIntegrityError) as e:
             self.counts["invalid"] += 1
             log.error("registrar: invalid version record at %s skipped: %s", where, e)
@@ -133,10 +136,41 @@ class Registrar:
             self._broadcast(record, mv)
 
     def _broadcast(self, record: VersionRecord, mv) -> None:
-        message = AdapterVersionBroadcast(
-            version_id=record.version_id, model_id=record.model_id, seq=record.seq,
-            mlflow_version=int(mv.version), model_uri=f"models:/{record.model_id}/{mv.version}",
-            sha256=record.sha256, artifact_uri=artifact_uri(self.client, mv), aliases=sorted(mv.aliases))
+        message = broadcast_for(record, mv)
         self.producer.send(self.config.broadcast_topic, key=record.model_id.encode(),
                            value=message.to_json().encode()).get(timeout=30)
         self.client.set_model_version_tag(record.model_id, mv.version, BROADCAST_TAG, "sent")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("registrar", help="register committed versions of a versions topic in MLflow and broadcast them",
+                       description="Standalone registration, for versions topics written by other producers or by "
+                                   "jobs run with --no-register. Training jobs register their own versions.")
+    p.add_argument("--versions-topic", default=defaults.VERSIONS_TOPIC)
+    p.add_argument("--broadcast-topic", default=defaults.ADAPTER_VERSIONS_TOPIC)
+    p.add_argument("--group-id", default="streamtune-registrar", help="Kafka consumer group (its committed offsets)")
+    p.add_argument("--bootstrap", default=None, help="default: the local stack's Kafka")
+    p.add_argument("--tracking-uri", default=None, help="default: the local stack's MLflow")
+    p.add_argument("--artifact-store", default=None, help="default: STREAMTUNE_ARTIFACT_STORE or the stack's")
+    p.set_defaults(func=cmd_registrar)
+
+
+def cmd_registrar(args) -> int:
+    """Runs until SIGTERM or Ctrl-C; one line per registered, duplicate or invalid version on stderr."""
+    import signal
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    config = RegistrarConfig(bootstrap=args.bootstrap or defaults.kafka_bootstrap(),
+                             tracking_uri=args.tracking_uri or defaults.mlflow_uri(),
+                             versions_topic=args.versions_topic, broadcast_topic=args.broadcast_topic,
+                             group_id=args.group_id, artifact_store=args.artifact_store or defaults.artifact_store())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with Registrar(config, on_event=lambda line: print(f"registrar: {line}", file=sys.stderr, flush=True)) as reg:
+        try:
+            reg.run(stop)
+        except KeyboardInterrupt:
+            pass
+    return 0

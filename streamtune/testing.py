@@ -16,12 +16,12 @@ from typing import Any, Callable, TypeVar
 from core.messages import FinetuneSpec, Message
 from streamtune.local_job import kill_group, spawn_logged
 
-JOB_TOPICS = ("feedback", "configs", "versions", "dlq")
+JOB_TOPICS = ("feedback", "configs", "versions", "dlq", "adapter-versions")
 M = TypeVar("M", bound=Message)
 
 
 def job_topics(bootstrap: str, prefix: str) -> dict[str, str]:
-    """`<prefix>.feedback|configs|versions|dlq`, created on the broker."""
+    """`<prefix>.feedback|configs|versions|dlq|adapter-versions`, created on the broker."""
     from connectors.kafka import create_topic
 
     topics = {k: f"{prefix}.{k}" for k in JOB_TOPICS}
@@ -30,11 +30,12 @@ def job_topics(bootstrap: str, prefix: str) -> dict[str, str]:
     return topics
 
 
-def job_args(topics: dict, base_model, artifact_dir, *extra: str) -> list[str]:
-    """jobs/stream_finetune.py arguments for these topics."""
+def job_args(topics: dict, base_model, artifact_store, *extra: str) -> list[str]:
+    """jobs/stream_finetune.py arguments for these topics (the job registers in the stack's MLflow)."""
     return ["--feedback-topic", topics["feedback"], "--config-topic", topics["configs"],
             "--versions-topic", topics["versions"], "--dlq-topic", topics["dlq"],
-            "--base-model", str(base_model), "--artifact-dir", str(artifact_dir), *extra]
+            "--broadcast-topic", topics["adapter-versions"],
+            "--base-model", str(base_model), "--artifact-store", str(artifact_store), *extra]
 
 
 def spec_fields(model_id: str, stream_source: str, *, rank=4, targets=("q_proj", "v_proj"), min_samples=8,

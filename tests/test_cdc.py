@@ -17,7 +17,7 @@ import pymongo
 import pytest
 from kafka import KafkaProducer
 
-from core.messages import ChangeEnvelope, ChangeOrigin, DeadLetter, VersionRecord
+from core.messages import AdapterVersionBroadcast, ChangeEnvelope, ChangeOrigin, DeadLetter, VersionRecord
 from streamtune.testing import CaptureProcess, cdc_spec, psql
 from connectors.kafka import create_topic, read_topic
 from streamtune.testing import wait_for_records
@@ -29,7 +29,7 @@ LSN = re.compile(r"^[0-9A-F]+/[0-9A-F]+$")
 
 
 def topics_for(bootstrap: str, prefix: str) -> dict:
-    topics = {k: f"{prefix}.{k}" for k in ("configs", "versions", "dlq", "pg", "mongo", "offsets")}
+    topics = {k: f"{prefix}.{k}" for k in ("configs", "versions", "dlq", "adapter-versions", "pg", "mongo", "offsets")}
     for t in topics.values():
         create_topic(bootstrap, t)
     return topics
@@ -39,7 +39,8 @@ def retrain_job(topics: dict, mapping: dict, base_model, tmp: Path, bootstrap: s
     (tmp / "mapping.json").write_text(json.dumps(mapping))
     args = ["--cdc-topic", topics["pg"], "--cdc-topic", topics["mongo"], "--mapping", str(tmp / "mapping.json"),
             "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
-            "--dlq-topic", topics["dlq"], "--base-model", str(base_model), "--artifact-dir", str(tmp / "adapters"),
+            "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
+            "--base-model", str(base_model), "--artifact-store", str(tmp / "adapters"),
             "--bootstrap", bootstrap, "--checkpoint-interval-ms", "1000", "--job-name", name]
     return LocalJob(args, tmp / "checkpoints", tmp / "job.log", module="jobs.cdc_retrain")
 
@@ -68,7 +69,7 @@ def mongo(stack_config):
 
 def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
     """psql rows and pymongo documents → samples → versions in MLflow whose lineage names LSNs and tokens."""
-    from streamtune.registrar import Registrar, RegistrarConfig
+    from mlflow import MlflowClient
 
     u = f"{time.time_ns() % 10**9:x}"
     dsn, boot = stack_config.postgres_dsn, stack_config.kafka_bootstrap
@@ -144,15 +145,11 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         assert "'a' is missing or null" in unmappable.detail
         assert ChangeEnvelope.from_json(unmappable.payload).after["id"] == 8
 
-        # The registrar puts them in MLflow; the lineage artifact names the LSNs and tokens.
-        config = RegistrarConfig(bootstrap=boot, tracking_uri=stack_config.mlflow_uri,
-                                 versions_topic=topics["versions"], broadcast_topic=f"{topics['versions']}.bc",
-                                 group_id=f"test-cdc-{u}")
-        with Registrar(config) as reg:
-            deadline = time.monotonic() + 90
-            while reg.counts["registered"] < 3 and time.monotonic() < deadline:
-                reg.poll_once(500)
-            client = reg.client
+        # The job registers them in MLflow itself (and broadcasts them); the lineage artifact
+        # names the LSNs and tokens.
+        broadcasts = wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, 3, 90)
+        assert {b.model_id for b in broadcasts} == {pg_model, mongo_model}, broadcasts
+        client = MlflowClient(stack_config.mlflow_uri, stack_config.mlflow_uri)
         for model, key in ((pg_model, "commit_lsn"), (mongo_model, "resume_token")):
             mv = sorted(client.search_model_versions(f"name = '{model}'"), key=lambda v: int(v.version))[0]
             lineage = json.loads(Path(client.download_artifacts(mv.run_id, "lineage.json", str(tmp_path))).read_text())

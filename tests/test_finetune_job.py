@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from core.messages import DeadLetter, FeedbackSample, RetrainTrigger, VersionRecord
+from connectors.artifact_store import ArtifactStore
 from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_raw, send_samples
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
@@ -106,7 +107,7 @@ def scenario(stack_config, base_model, tmp_path_factory):
                                     timeout=180)
         dlq = wait_for_records(stack_config.kafka_bootstrap, topics["dlq"], DeadLetter, len(bad_offsets) + 3,
                                timeout=60)
-        yield {"topics": topics, "models": models, "samples": samples, "bad_offsets": bad_offsets,
+        yield {"topics": topics, "models": models, "artifacts": artifacts, "samples": samples, "bad_offsets": bad_offsets,
                "versions": versions, "dlq": dlq, "closers": closers}
     finally:
         cancel_job(stack_config, job)
@@ -144,8 +145,9 @@ def test_two_models_get_separate_adapters_and_version_sequences(scenario):
     ids_a = {s for v in va for s in v.lineage.sample_ids}
     ids_b = {s for v in vb for s in v.lineage.sample_ids}
     assert ids_a == {f"a{i}" for i in range(200)} and ids_b == {f"b{i}" for i in range(100)}
-    assert all(Path(v.artifact_dir, "adapter_model.safetensors").exists() for v in va + vb)
-    assert len({v.artifact_dir for v in va + vb}) == len(va) + len(vb)
+    store = ArtifactStore(str(scenario["artifacts"]))
+    assert all(v.artifact_uri.startswith(store.uri + "/") and store.get(v.artifact_uri, v.sha256) for v in va + vb)
+    assert len({v.artifact_uri for v in va + vb}) == len(va) + len(vb)
 
 
 def test_counts_reconcile_every_valid_sample_in_exactly_one_version(scenario):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
@@ -10,7 +9,9 @@ import uuid
 import pytest
 
 from connectors.kafka import read_topic
-from connectors.mlflow_registry import ArtifactIntegrityError, make_client, register_version
+from connectors.artifact_store import ArtifactStore, sha256_hex
+from connectors.mlflow_registry import make_client, register_version
+from core.errors import ArtifactIntegrityError
 from core.messages import AdapterVersionBroadcast, VersionRecord
 from streamtune.registrar import Registrar, RegistrarConfig
 
@@ -18,16 +19,14 @@ pytestmark = pytest.mark.finetune
 
 
 def make_record(tmp_path, model_id: str, seq: int, loss_after: float, **overrides) -> VersionRecord:
-    artifact_dir = tmp_path / f"{model_id}-{seq}"
-    artifact_dir.mkdir()
     weights = f"fake safetensors {model_id} {seq}".encode() * 64
-    (artifact_dir / "adapter_model.safetensors").write_bytes(weights)
-    (artifact_dir / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}))
+    config = json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    uri = ArtifactStore(str(tmp_path / "store")).put(
+        {"adapter_model.safetensors": weights, "adapter_config.json": config.encode()}, sha256_hex(weights))
     record = {
         "version_id": f"{model_id}-{seq}-{uuid.uuid4().hex[:8]}", "model_id": model_id, "seq": seq,
         "window_start": 1_000 * seq, "window_end": 1_000 * seq + 999,
-        "artifact_dir": str(artifact_dir), "sha256": hashlib.sha256(weights).hexdigest(),
+        "artifact_uri": uri, "sha256": sha256_hex(weights),
         "base_model": "/models/tiny-llama", "config_version": 1, "fresh_adapter": seq == 1,
         "adapter": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05},
         "trigger_policy": {"min_samples_per_window": 32, "window_seconds": 1},
@@ -89,7 +88,7 @@ def test_duplicate_record_registers_once(stack_config, registrar, unique, tmp_pa
     assert messages[0].key == model_id.encode()
     body = AdapterVersionBroadcast.from_json(messages[0].value)
     assert body.model_uri == f"models:/{model_id}/1" and body.mlflow_version == 1
-    assert body.artifact_uri.endswith("/artifacts/adapter")
+    assert body.artifact_uri.startswith("file://") and body.artifact_uri.endswith(body.sha256)
     assert set(body.aliases) == {"candidate", "champion"}
     assert any(e.startswith(f"registered {model_id} v1 ") and "loss 2.50 -> 1.50" in e
                for e in registrar.events), registrar.events
@@ -158,7 +157,7 @@ def test_sha256_mismatch_is_a_clear_error(stack_config, unique, tmp_path):
     record = make_record(tmp_path, model_id, 1, 1.0, sha256="ab" * 32)
     client = make_client(stack_config.mlflow_uri)
     with pytest.raises(ArtifactIntegrityError, match=r"sha256 mismatch .*adapter_model\.safetensors"):
-        register_version(client, record)
+        register_version(client, record, ArtifactStore(str(tmp_path / "store")))
     assert versions_of(client, model_id) == []
 
 
@@ -184,7 +183,7 @@ def test_duplicate_without_broadcast_is_broadcast(stack_config, registrar, uniqu
     """A crash after registering but before broadcasting: the replay sends the broadcast."""
     model_id = f"heal-{unique}"
     record = make_record(tmp_path, model_id, 1, 1.0)
-    register_version(make_client(stack_config.mlflow_uri), record)  # registered, never broadcast
+    register_version(make_client(stack_config.mlflow_uri), record, ArtifactStore(str(tmp_path / "store")))  # registered, never broadcast
     value = record.to_json().encode()
     publish(stack_config.kafka_bootstrap, registrar.config.versions_topic, [value, value])
     drain(registrar, 2)

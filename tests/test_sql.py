@@ -145,7 +145,7 @@ def version_record(model_id: str, seq: int, window_end: int, version_id: str) ->
     """A version record as the trainer emits it (operators/finetune_function.py)."""
     return VersionRecord(
         version_id=version_id, model_id=model_id, seq=seq, window_start=window_end - 2 * MIN, window_end=window_end,
-        artifact_dir=f"/adapters/{model_id}/{version_id}", sha256="ab" * 32, base_model="/models/tiny",
+        artifact_uri="file:///adapters/" + "ab" * 32, sha256="ab" * 32, base_model="/models/tiny",
         config_version=1, fresh_adapter=seq == 1,
         adapter=AdapterConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
         trigger_policy=TriggerPolicy(min_samples_per_window=8, window_seconds=120),
@@ -159,7 +159,7 @@ def broadcast(model_id: str, seq: int, version_id: str, aliases: list[str]) -> A
     """The registrar's broadcast of a registered version (streamtune/registrar.py)."""
     return AdapterVersionBroadcast(version_id=version_id, model_id=model_id, seq=seq, mlflow_version=seq,
                                    model_uri=f"models:/{model_id}/{seq}", sha256="ab" * 32,
-                                   artifact_uri=f"mlflow-artifacts:/{model_id}/{seq}", aliases=aliases)
+                                   artifact_uri="file:///adapters/" + "ab" * 32, aliases=aliases)
 
 
 def make_versions(rng: random.Random):

@@ -5,7 +5,7 @@ version exists; sent again for a version whose broadcast was never confirmed, so
 are idempotent by version_id.
 
 >>> b = AdapterVersionBroadcast(version_id="bot@1#0:0-0:1", model_id="bot", seq=1, mlflow_version=3,
-...     model_uri="models:/bot/3", sha256="0" * 64, artifact_uri="mlflow-artifacts:/1/r/artifacts/adapter",
+...     model_uri="models:/bot/3", sha256="0" * 64, artifact_uri="s3://adapters/" + "0" * 64,
 ...     aliases=["candidate", "champion"])
 >>> AdapterVersionBroadcast.from_json(b.to_json()).aliases
 ['candidate', 'champion']
@@ -25,5 +25,5 @@ class AdapterVersionBroadcast(Message):
     mlflow_version: int = Field(ge=1)
     model_uri: str                       # models:/<model_id>/<mlflow_version>
     sha256: str
-    artifact_uri: str
+    artifact_uri: str                    # the artifact store URI, as in the version record
     aliases: list[str]

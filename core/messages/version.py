@@ -50,7 +50,9 @@ class VersionRecord(Message):
     seq: int = Field(ge=1)
     window_start: int
     window_end: int
-    artifact_dir: str = Field(min_length=1)  # immutable PEFT dir: adapter_config.json + adapter_model.safetensors
+    # The artifact store URI of the immutable PEFT files (adapter_config.json +
+    # adapter_model.safetensors), named by their sha256: readable from every machine.
+    artifact_uri: str = Field(pattern=r"^[a-z][a-z0-9+.-]*://")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # of adapter_model.safetensors
     base_model: str
     config_version: int = Field(ge=1)
@@ -64,7 +66,7 @@ class VersionRecord(Message):
 
 EXAMPLE = {
     "version_id": "bot@60000#0:0-0:9", "model_id": "bot", "seq": 1, "window_start": 0, "window_end": 60000,
-    "artifact_dir": "/adapters/bot/bot_60000_0_0-0_9", "sha256": "0" * 64, "base_model": "/models/tiny",
+    "artifact_uri": "s3://adapters/" + "0" * 64, "sha256": "0" * 64, "base_model": "/models/tiny",
     "config_version": 1, "fresh_adapter": True,
     "adapter": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     "trigger_policy": {"min_samples_per_window": 10, "window_seconds": 60},

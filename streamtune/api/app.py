@@ -14,6 +14,7 @@ from typing import Optional
 
 from fastapi import FastAPI
 
+from core import defaults
 from core.errors import ConfigError
 from streamtune.stack.config import StackConfig
 
@@ -44,7 +45,7 @@ class ApiSettings:
     max_body_bytes: int = 1 << 20
     max_feedback_batch: int = 500
     base_model: Optional[Path] = None          # default <data_dir>/models/tiny-llama
-    artifact_dir: Optional[Path] = None        # default <data_dir>/adapters
+    artifact_store: Optional[str] = None       # default STREAMTUNE_ARTIFACT_STORE, else <data_dir>/adapters
     jobs_file: Optional[Path] = None           # default <home>/api/jobs.json
     promotion_log: Optional[Path] = None       # default <home>/api/promotions.jsonl
     job_script: Path = JOB_SCRIPT
@@ -54,7 +55,8 @@ class ApiSettings:
     def __post_init__(self) -> None:
         s = self.stack
         self.base_model = Path(self.base_model or s.data_dir / "models" / "tiny-llama")
-        self.artifact_dir = Path(self.artifact_dir or s.data_dir / "adapters")
+        self.artifact_store = self.artifact_store or defaults.artifact_store({**os.environ,
+                                                                              "STREAMTUNE_DATA_DIR": str(s.data_dir)})
         self.jobs_file = Path(self.jobs_file or s.home / "api" / "jobs.json")
         self.promotion_log = Path(self.promotion_log or s.home / "api" / "promotions.jsonl")
         if self.max_body_bytes < 1 or self.max_feedback_batch < 1:
@@ -120,8 +122,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
     """The app for `settings`: the routes behind the token, the body limit, one gateway to
     the stack, the jobs file and the promotion log."""
     gateway = StackGateway(settings.stack, settings.job_script,
-                           ["--base-model", str(settings.base_model), "--artifact-dir", str(settings.artifact_dir),
-                            *settings.extra_job_args],
+                           ["--base-model", str(settings.base_model), "--artifact-store", settings.artifact_store,
+                            "--tracking-uri", settings.stack.mlflow_uri, *settings.extra_job_args],
                            settings.flink_timeout_s)
 
     @contextlib.asynccontextmanager

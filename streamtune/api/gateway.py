@@ -49,11 +49,11 @@ def job_name(topic: str) -> str:
 def job_topics(topic: str) -> dict[str, str]:
     """The topics of the job that trains from `topic`.
 
-    >>> job_topics("clicks")
-    {'feedback': 'clicks', 'configs': 'clicks.configs', 'versions': 'clicks.versions', 'dlq': 'clicks.dlq'}
+    >>> job_topics("clicks")["adapter-versions"]
+    'clicks.adapter-versions'
     """
     return {"feedback": topic, "configs": f"{topic}.configs", "versions": f"{topic}.versions",
-            "dlq": f"{topic}.dlq"}
+            "dlq": f"{topic}.dlq", "adapter-versions": f"{topic}.adapter-versions"}
 
 
 class StackGateway:
@@ -102,7 +102,8 @@ class StackGateway:
             raise StackUnavailable(f"Kafka not reachable at {self.stack.kafka_bootstrap}: {type(e).__name__}: {e}")
         args = ["--bootstrap", self.stack.kafka_bootstrap, "--feedback-topic", topics["feedback"],
                 "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
-                "--dlq-topic", topics["dlq"], "--job-name", job_name(topic), *self.job_args]
+                "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
+                "--job-name", job_name(topic), *self.job_args]
         try:
             return submit_detached(self.stack, self.job_script, args)
         except FLINK_CLI_ERRORS as e:

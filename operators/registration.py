@@ -1,0 +1,119 @@
+"""Registration inside the training job: committed versions → MLflow model registry → broadcast.
+
+The job reads its own versions topic (`read_committed`, so only versions whose checkpoint
+completed), keyed by model_id, and registers each version in order, idempotently by
+version_id (connectors/mlflow_registry.py): the cluster supervises, restarts and scales it
+with the job, and no process has to be started by hand.
+
+An MLflow outage never blocks training or checkpoints: a version that cannot be registered
+stays queued in this operator's keyed state, with the model's later versions behind it, and
+a processing-time timer retries with backoff (1 s doubling to 30 s). Nothing blocks a
+checkpoint barrier here. After a restore the source replays from the checkpointed offset;
+versions registered since are found by their version_id and only broadcast again
+(broadcast readers are idempotent by version_id).
+
+A version whose artifact is missing or does not match its sha256 is never registered: it
+goes to the DLQ (`artifact_integrity`, kind `version`), is logged and counted, and the next
+versions register. Counters: versions_in = registered + already_registered + integrity_failures
++ queued (in state); registration_retries counts failed attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pyflink.common import Types
+from pyflink.datastream import KeyedProcessFunction, ProcessFunction, TimeDomain
+from pyflink.datastream.state import ValueStateDescriptor
+
+from core.errors import ArtifactIntegrityError, InvalidMessage
+from core.messages import VersionRecord
+from operators.validate import DLQ_TAG, dead_letter
+
+log = logging.getLogger("streamtune.registration")
+
+RETRY_FIRST_MS, RETRY_MAX_MS = 1000, 30_000
+# (model_id, version record JSON, topic, partition, offset, ts)
+VERSION_TYPE = Types.TUPLE([Types.STRING(), Types.STRING(), Types.STRING(), Types.INT(), Types.LONG(), Types.LONG()])
+
+
+class VersionReader(ProcessFunction):
+    """A committed version record → (model_id, …) for key_by; one that breaks the contract
+    (a foreign producer on the topic) → the DLQ with the reason."""
+
+    def process_element(self, row, ctx):
+        payload, topic, partition, offset = row["payload"], row["topic"], row["partition"], row["offset"]
+        try:
+            record = VersionRecord.from_json(payload)
+        except InvalidMessage as e:
+            yield DLQ_TAG, dead_letter(e.code, e.detail, payload, topic, partition, offset, ctx.timestamp(), "version")
+            return
+        yield record.model_id, payload, topic, partition, offset, ctx.timestamp()
+
+
+class RegistrationFunction(KeyedProcessFunction):
+    """Input: (model_id, version record JSON, topic, partition, offset, ts); output: broadcasts."""
+
+    def __init__(self, tracking_uri: str, artifact_store: str):
+        self.tracking_uri, self.artifact_store = tracking_uri, artifact_store
+
+    def open(self, runtime_context):
+        # Fail fast and retry on our own timer: MLflow's client would otherwise retry one call
+        # for minutes, holding the whole operator.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from connectors.artifact_store import ArtifactStore
+        from connectors.mlflow_registry import make_client
+
+        self.client = make_client(self.tracking_uri)
+        self.store = ArtifactStore(self.artifact_store, self.tracking_uri)
+        self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
+        self.retry = runtime_context.get_state(ValueStateDescriptor("retry", Types.PICKLED_BYTE_ARRAY()))
+        metrics = runtime_context.get_metrics_group()
+        self.counters = {name: metrics.counter(name) for name in (
+            "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries")}
+
+    def process_element(self, value, ctx):
+        self.counters["versions_in"].inc()
+        self.queue.update((self.queue.value() or []) + [tuple(value[1:])])
+        if self.retry.value() is None:  # else a retry is pending: keep the model's order
+            yield from self._drain(ctx)
+
+    def on_timer(self, timestamp, ctx):
+        retry = self.retry.value()
+        if ctx.time_domain() == TimeDomain.PROCESSING_TIME and retry is not None and retry[0] == timestamp:
+            self.retry.clear()
+            yield from self._drain(ctx, backoff_ms=retry[1])
+
+    def _drain(self, ctx, backoff_ms: int = 0):
+        from connectors.mlflow_registry import broadcast_for, register_version
+
+        queue = self.queue.value() or []
+        while queue:
+            payload, topic, partition, offset, ts = queue[0]
+            record = VersionRecord.from_json(payload)  # checked before it was queued
+            try:
+                mv, created = register_version(self.client, record, self.store)
+                broadcast = broadcast_for(record, mv)
+            except ArtifactIntegrityError as e:
+                self.counters["integrity_failures"].inc()
+                log.error("version %s not registered: %s", record.version_id, e)
+                yield DLQ_TAG, dead_letter("artifact_integrity", str(e), payload, topic, partition, offset, ts,
+                                           "version", record.model_id)
+            except Exception as e:  # MLflow or the store unreachable: retry later, in order
+                self.counters["registration_retries"].inc()
+                wait = min(max(backoff_ms * 2, RETRY_FIRST_MS), RETRY_MAX_MS)
+                log.warning("registering %s failed (%s: %s); retrying in %d ms", record.version_id,
+                            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", wait)
+                due = ctx.timer_service().current_processing_time() + wait
+                self.retry.update((due, wait))
+                ctx.timer_service().register_processing_time_timer(due)
+                break
+            else:
+                self.counters["registered" if created else "already_registered"].inc()
+                yield broadcast.to_json()
+            queue = queue[1:]
+            self.queue.update(queue)
+        if not queue:
+            self.queue.clear()
