@@ -103,6 +103,8 @@ class ArtifactStore:
             if isinstance(e, FileNotFoundError) or "not found" in str(e).lower() or "404" in str(e):
                 raise ArtifactIntegrityError(f"artifact {uri} does not exist") from None
             raise
+        if not files:
+            raise ArtifactIntegrityError(f"artifact {uri} does not exist")
         missing = [n for n in FILES if n not in files]
         if missing:
             raise ArtifactIntegrityError(f"artifact {uri} lacks {', '.join(missing)}")
@@ -147,10 +149,10 @@ class ArtifactStore:
             raise ConfigError(f"artifact store {self.uri}: {e}") from None
 
     def _mlflow_repo(self, uri: str):
-        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+        from urllib.parse import urlsplit
 
-        if self.tracking_uri:
-            import mlflow
+        from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository
 
-            mlflow.set_tracking_uri(self.tracking_uri)
-        return get_artifact_repository(uri)
+        # mlflow-artifacts://host:port/… names its server; mlflow-artifacts:/… uses the tracking URI.
+        netloc = urlsplit(uri).netloc
+        return MlflowArtifactsRepository(uri, tracking_uri=f"http://{netloc}" if netloc else self.tracking_uri)

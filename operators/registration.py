@@ -63,6 +63,7 @@ class RegistrationFunction(KeyedProcessFunction):
         # for minutes, holding the whole operator.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         from connectors.artifact_store import ArtifactStore
         from connectors.mlflow_registry import make_client
 
