@@ -262,3 +262,71 @@ def test_bad_artifact_is_reported_not_registered(stack_config, cluster_job, uniq
 
 def _artifacts(store: Path) -> list[Path]:
     return [p for p in store.glob("*") if p.is_dir() and not p.name.startswith(".tmp-")] if store.exists() else []
+
+
+def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_twice(
+        stack_config, cluster_job, unique):
+    """kill -9 of the TaskManager when a committed version is not registered yet; a new
+    TaskManager takes over from the last checkpoint: every version registered exactly once."""
+    import signal
+
+    from streamtune.stack.flink import Flink
+
+    topics, _, start = cluster_job
+    job = start()
+    boot, model_id, t0 = stack_config.kafka_bootstrap, f"tmkill-{unique}", 1_773_000_000_000
+    send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)
+    pairs = digit_pairs(300, seed=12)
+    stop = threading.Event()
+
+    def stream():  # one 2 s window of 10 samples every 2 s of wall time
+        for w in range(30):
+            if stop.is_set():
+                return
+            send_samples(boot, topics["feedback"], digit_samples(model_id, pairs[w * 10:(w + 1) * 10],
+                                                                 t0 + w * 2000, 200, f"w{w}-"))
+            time.sleep(2)
+
+    producer = threading.Thread(target=stream, daemon=True)
+    producer.start()
+    flink, client = Flink(stack_config), mlflow_client(stack_config)
+    try:
+        wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, 2, 120)
+
+        def pending_registration():  # a committed version MLflow does not have yet
+            committed = {v.version_id for v in wait_for_records(boot, topics["versions"], VersionRecord, 0, 0)}
+            return committed - {mv.tags["streamtune.version_id"] for mv in registered(client, model_id)}
+
+        wait_for(pending_registration, 60, "a committed version not registered yet", interval=0.05)
+        (victim,) = flink.taskmanager_pids()
+        os.kill(victim, signal.SIGKILL)
+        flink.start_taskmanager()
+        wait_for(lambda: victim not in flink.taskmanager_pids() and flink.taskmanager_pids(), 30, "a new TaskManager")
+        wait_for(lambda: _restarted(stack_config, job), 120, "the job to run again after the restart")
+        producer.join(timeout=120)
+    finally:
+        stop.set()
+
+    def caught_up():
+        committed = {v.version_id for v in wait_for_records(boot, topics["versions"], VersionRecord, 0, 0)}
+        mvs = registered(client, model_id)
+        return mvs if {mv.tags["streamtune.version_id"] for mv in mvs} == committed else None
+
+    mvs = wait_for(caught_up, 180, "registration to catch up", interval=3)
+    version_ids = [mv.tags["streamtune.version_id"] for mv in mvs]
+    assert len(version_ids) == len(set(version_ids)), "no version registered twice"
+    assert [int(mv.tags["streamtune.seq"]) for mv in mvs] == list(range(1, len(mvs) + 1)), "none lost, in order"
+    assert len(mvs) >= 20
+
+
+def _restarted(stack_config, job_id: str) -> bool:
+    """The job runs again after at least one restart (Flink's REST job details)."""
+    details = requests.get(f"{stack_config.flink_rest_url}/jobs/{job_id}", timeout=5).json()
+    return details["state"] == "RUNNING" and any(
+        v["status"] == "RUNNING" for v in details.get("vertices", [])) and _restarts(stack_config, job_id) >= 1
+
+
+def _restarts(stack_config, job_id: str) -> int:
+    r = requests.get(f"{stack_config.flink_rest_url}/jobs/{job_id}/metrics", params={"get": "numRestarts"}, timeout=5)
+    values = [int(float(m["value"])) for m in r.json()] if r.ok else []
+    return values[0] if values else 0

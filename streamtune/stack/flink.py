@@ -13,7 +13,7 @@ import requests
 import yaml
 
 from .component import Component
-from .process import StackError, write_pids
+from .process import StackError, alive, write_pids
 
 REPO_FLINK_CONF = Path(__file__).resolve().parents[2] / "flink-conf"
 
@@ -109,9 +109,9 @@ class Flink(Component):
                     FLINK_PID_DIR=str(self.config.run_dir / "flink"),
                     FLINK_LOG_DIR=str(self.config.log_dir / "flink"))
 
-    def _script(self, name: str) -> None:
+    def _script(self, name: str, *args: str) -> None:
         script = flink_home() / "bin" / name
-        r = subprocess.run(["bash", str(script)], env=self.env(), capture_output=True, text=True, timeout=120)
+        r = subprocess.run(["bash", str(script), *args], env=self.env(), capture_output=True, text=True, timeout=120)
         with open(self.log_file, "a") as log:
             log.write(r.stdout + r.stderr)
         if r.returncode != 0:
@@ -124,11 +124,25 @@ class Flink(Component):
         for d in (pid_dir, self.config.log_dir / "flink"):
             d.mkdir(parents=True, exist_ok=True)
         self._script("start-cluster.sh")
+        self._record_pids()
+
+    def _record_pids(self) -> None:
         # flink-daemon.sh names them flink-$USER-<daemon>.pid ($USER may be unset).
+        pid_dir = self.config.run_dir / "flink"
         pids = [int(pid) for f in sorted(pid_dir.glob("flink-*.pid")) for pid in f.read_text().split()]
         if not pids:
             raise StackError(f"start-cluster.sh left no pid files in {pid_dir}")
-        write_pids(self.pid_file, pids)
+        write_pids(self.pid_file, [p for p in pids if alive(p)])
+
+    def taskmanager_pids(self) -> list[int]:
+        pid_dir = self.config.run_dir / "flink"
+        return [int(pid) for f in pid_dir.glob("flink-*taskexecutor*.pid") for pid in f.read_text().split()
+                if alive(int(pid))]
+
+    def start_taskmanager(self) -> None:
+        """One more TaskManager for the cluster (as a supervisor replaces a lost one)."""
+        self._script("taskmanager.sh", "start")
+        self._record_pids()
 
     def stop(self) -> None:
         if self.pids():
