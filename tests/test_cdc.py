@@ -67,6 +67,7 @@ def mongo(stack_config):
     client.close()
 
 
+@pytest.mark.deploy
 def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
     """psql rows and pymongo documents → samples → versions in MLflow whose lineage names LSNs and tokens."""
     from mlflow import MlflowClient
