@@ -41,14 +41,21 @@ from pydantic import Field, ValidationError, model_validator
 
 from core.errors import ConfigError
 from core.messages import MODEL_ID, Message, describe_error
-from core.sources.mongodb import collection_source_id
-from core.sources.postgres import table_source_id
+from core.sources.mongodb import COLLECTION, DB, collection_source_id
+from core.sources.postgres import TABLE, table_source_id
 
 
 class Condition(Message):
     column: str = Field(min_length=1)
     op: Literal["eq", "ne", "in", "not_in", "not_null", "is_null"] = "eq"
     value: Any = None
+
+    @model_validator(mode="after")
+    def _list_for_in(self) -> "Condition":
+        # `v in 5` raises for every row (a crash loop, not a filter); `v in "abc"` matches substrings.
+        if self.op in ("in", "not_in") and not isinstance(self.value, list):
+            raise ValueError(f"op {self.op} needs a list value, got {self.value!r}")
+        return self
 
     def holds(self, row: dict) -> bool:
         v = field(row, self.column)
@@ -78,6 +85,13 @@ class _Target(Message):
             raise ValueError("give exactly one of table (PostgreSQL) or collection (MongoDB db.collection)")
         if self.collection is not None and self.collection.count(".") < 1:
             raise ValueError("collection must be db.collection")
+        # The names a source URI accepts (core.sources): any other could never match a change.
+        if self.table is not None and not TABLE.fullmatch(self.table):
+            raise ValueError(f"table must be NAME or SCHEMA.NAME, got {self.table!r}")
+        if self.collection is not None:
+            db, _, name = self.collection.partition(".")
+            if not DB.fullmatch(db) or not COLLECTION.fullmatch(name):
+                raise ValueError(f"collection must be a MongoDB db.collection name, got {self.collection!r}")
         return self
 
     @property

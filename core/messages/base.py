@@ -36,7 +36,7 @@ def is_model_id(value: str) -> bool:
     >>> is_model_id("support-bot.v2"), is_model_id(".."), is_model_id("-rf")
     (True, False, False)
     """
-    return bool(_MODEL_ID.match(value))
+    return bool(_MODEL_ID.fullmatch(value))  # fullmatch: `$` also matches before a final "\n"
 
 
 class Message(BaseModel):
@@ -65,14 +65,42 @@ class Message(BaseModel):
             raise InvalidMessage("schema", describe_error(e)) from None
 
 
+# Deeper JSON is `bad_json`: a record accepted here must parse again wherever a consumer
+# reads it, however deep its call stack (MongoDB itself stops at 100 levels).
+MAX_JSON_DEPTH = 128
+
+
 def decode(raw: str | bytes | None) -> Any:
-    """JSON text → value; InvalidMessage `empty` or `bad_json` otherwise."""
+    """JSON text → value; InvalidMessage `empty` or `bad_json` otherwise.
+
+    >>> decode("[" * 5000)
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidMessage: JSON nested deeper than 128 levels
+    """
     if raw is None or raw == "" or raw == b"":
         raise InvalidMessage("empty", "record has no value")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
+    except RecursionError:
+        raise InvalidMessage("bad_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (TypeError, ValueError) as e:
         raise InvalidMessage("bad_json", f"not JSON: {e}") from None
+    if _deeper_than(value, MAX_JSON_DEPTH):
+        raise InvalidMessage("bad_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels (iterative: no recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            pending.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 def describe_error(err: ValidationError) -> str:

@@ -87,6 +87,10 @@ class ChangeEnvelope(Message):
             raise ValueError(f"{kind.connector} sources need {', '.join(kind.change_fields)}; missing {missing}")
         if self.op in ("c", "r") and self.after is None:
             raise ValueError(f"op {self.op} needs an `after` object")
+        try:  # row changes are ordered and named by it downstream: unreadable is a dead letter here
+            self.position(), self.position_text()
+        except (TypeError, ValueError, ArithmeticError, RecursionError) as e:
+            raise ValueError(f"{kind.connector} change position unreadable: {e}") from None
         return self
 
     @classmethod

@@ -27,7 +27,7 @@ from core.sources.kafka import KafkaSource
 
 class AdapterConfig(Message):
     rank: int = Field(ge=1, le=512)
-    alpha: float = Field(gt=0)
+    alpha: float = Field(gt=0, allow_inf_nan=False)  # JSON 1e999 is inf: NaN weights, a null in versions
     target_modules: list[str] = Field(min_length=1)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
 

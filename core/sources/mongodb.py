@@ -10,9 +10,15 @@ increment in `ord`); they are ordered by (clusterTime, increment, token).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from core.sources.base import SourceKind, register_source_kind, source_for  # noqa: F401 (doctest)
+
+# MongoDB's own naming rules. A database name has no '.', so `db.collection` (a source id, a
+# mapping's collection) reads one way only: db=a.b&collection=c would collide with a & b.c.
+DB = re.compile(r'[^/\\. "$\x00]{1,63}')
+COLLECTION = re.compile(r"(?!system\.)[^$\x00]{1,255}")
 
 
 def collection_source_id(collection: str) -> str:
@@ -32,6 +38,12 @@ class MongoSource(SourceKind):
         db, collection = self._one("db"), self._one("collection")
         if not db or not collection:
             raise ValueError("mongodb sources need ?db=NAME&collection=NAME")
+        if not DB.fullmatch(db):
+            raise ValueError(f"db must be a MongoDB database name (no / \\ . space \" $ or NUL, at most 63 chars), "
+                             f"got {db!r}")
+        if not COLLECTION.fullmatch(collection):
+            raise ValueError(f"collection must be a MongoDB collection name (no $ or NUL, not system.*), "
+                             f"got {collection!r}")
         self.db, self.collection = db, collection
         self.connection_uri = self._connection_uri(parts, ("db", "collection"))
         self.name = name or f"mongo-{db}-{collection}"

@@ -57,7 +57,7 @@ class PostgresSource(SourceKind):
     aliases = ("postgresql",)
     example = "postgres://…?table=NAME"
     connector = "postgresql"
-    change_fields = ("db", "schema", "table", "sequence")
+    change_fields = ("db", "schema", "table", "sequence", "ts_ms")  # ts_ms: the samples' event time
     capture = "connectors.postgres_wal:PostgresCapture"
     snapshots = True
 
