@@ -49,6 +49,7 @@ class JobConfig:
     artifact_store: str = defaults.artifact_store()
     tracking_uri: str = defaults.mlflow_uri()
     register: bool = True                     # the registration pipeline runs in this job
+    versions_delivery: str = "exactly-once"   # or "at-least-once": visible at once, repeats after a restore
     unknown_model_grace_ms: int = 30_000
     max_record_bytes: int = 65536
     lateness_ms: int = 0
@@ -92,6 +93,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapter artifacts: a directory every TaskManager and registrar shares, "
                         "s3://…, gs://…, hdfs://… or mlflow-artifacts://host:port/prefix")
     p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="the MLflow server versions register in")
+    p.add_argument("--versions-delivery", choices=["exactly-once", "at-least-once"], default="exactly-once",
+                   help="exactly-once: a version is visible to read_committed readers when its checkpoint "
+                        "completes; at-least-once: at once, and again after a restore (readers drop repeats)")
     p.add_argument("--no-register", action="store_true",
                    help="no registration pipeline in this job (run `streamtune registrar` instead)")
     p.add_argument("--unknown-model-grace-seconds", type=float, default=30.0)
@@ -143,8 +147,9 @@ def train(trainer_input, job: JobConfig) -> list:
     versions = (trainer_input.key_by(lambda r: r[1], key_type=Types.STRING())
                 .process(FinetuneFunction(job.trainer_settings()), output_type=Types.STRING())
                 .name("lora-trainer").uid("lora-trainer"))
-    versions.sink_to(exactly_once_sink(job.bootstrap, job.versions_topic, f"{job.job_name}-versions")) \
-        .name("versions-sink").uid("versions-sink")
+    sink = exactly_once_sink(job.bootstrap, job.versions_topic, f"{job.job_name}-versions") \
+        if job.versions_delivery == "exactly-once" else at_least_once_sink(job.bootstrap, job.versions_topic)
+    versions.sink_to(sink).name("versions-sink").uid("versions-sink")
     return [versions.get_side_output(DLQ_TAG)]
 
 
