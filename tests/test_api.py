@@ -1,11 +1,12 @@
 """The REST control plane (streamtune/api), in process (TestClient) against the local stack.
 
-Fuzzing runs against an app whose Flink REST port is closed: a spec that schemathesis
-generates valid can never start a job; the app answers it with its documented 503
-("the Flink cluster ... is not reachable"). The check used in place of schemathesis'
-not_a_server_error therefore accepts a 503 only when the operation documents it; any other
-5xx fails. Kafka and MLflow are the real ones: fuzzed model ids are random, so feedback and
-alias calls end in 404/422 before anything is written.
+Fuzzing (schemathesis) runs the app against the real stack, Flink's REST port open, so a
+generated spec reaches the submission logic: positive cases get a stream_source in a topic
+namespace of the test's own (a few topics, so a few jobs at most, all cancelled at the end).
+The oracle, in place of schemathesis' not_a_server_error: a 5xx fails the test unless it is
+a documented 501, or a documented 503 whose named service (Flink, Kafka, MLflow) does not
+answer a probe right after it. A 503 while that service answers is a bug: the API blamed the
+stack for its own failure. `test_fuzz_oracle_*` proves the oracle flags exactly that.
 """
 
 from __future__ import annotations
@@ -188,6 +189,28 @@ def test_malformed_spec_gets_422_per_field_and_changes_nothing(stack_config, uni
     assert small.post("/v1/feedback", json=dict(event, prompt="x" * 5000), headers=AUTH).status_code == 413
 
 
+@pytest.mark.guarantees
+def test_spec_whose_job_topics_kafka_refuses_gets_422_and_changes_nothing(stack_config, unique, tmp_path):
+    """The schema takes any topic of up to 249 characters, but the job also needs T.configs …
+    T.adapter-versions: the longest usable T is 232 characters, and "." is no topic at all."""
+    from kafka import KafkaAdminClient
+
+    client, settings = make_client(stack_config, tmp_path)
+    for topic in (f"test.api-long-{unique}-".ljust(233, "x"), f"test.api-long-{unique}-".ljust(249, "x"), "."):
+        r = client.post("/v1/stream-finetune", headers=AUTH,
+                        json=dict(SEED, model_id=f"long-{unique}", stream_source=f"kafka://topic={topic}"))
+        assert r.status_code == 422, r.text
+        assert [e["loc"] for e in r.json()["detail"]] == [["body", "stream_source"]]
+        assert jobs_named(stack_config, f"streamtune-{topic}") == []
+    admin = KafkaAdminClient(bootstrap_servers=stack_config.kafka_bootstrap, request_timeout_ms=10000)
+    try:
+        created = [t for t in admin.list_topics() if t.startswith(f"test.api-long-{unique}")]
+    finally:
+        admin.close()
+    assert created == [], "a topic was created for a refused spec"
+    assert not settings.jobs_file.exists()
+
+
 def test_feedback_event_mapping():
     from streamtune.api.models import ClickEvent, CorrectionEvent, DwellEvent, to_sample
 
@@ -201,45 +224,221 @@ def test_feedback_event_mapping():
     assert to_sample(DwellEvent(type="dwell", completion="c", dwell_seconds=600, **base)).weight == 3.0
 
 
-def test_fuzzing_openapi_no_5xx_and_responses_follow_the_schema(stack_config, tmp_path):
+# ---------------------------------------------------------------- fuzzing and its oracle
+
+SERVICES = ("Flink", "Kafka", "MLflow")
+
+
+def service_named(detail: str) -> str | None:
+    """The service a 503's detail blames: the first of Flink, Kafka and MLflow it names."""
+    found = sorted((detail.lower().find(name.lower()), name) for name in SERVICES if name.lower() in detail.lower())
+    return found[0][1] if found else None
+
+
+def service_answers(stack, service: str) -> bool:
+    """Whether `stack`'s `service` answers a probe over its own protocol right now."""
+    try:
+        if service == "Flink":
+            return requests.get(f"{stack.flink_rest_url}/overview", timeout=5).status_code == 200
+        if service == "MLflow":
+            return requests.get(f"{stack.mlflow_uri}/health", timeout=5).status_code == 200
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=stack.kafka_bootstrap, request_timeout_ms=5000)
+        try:
+            admin.list_topics()
+            return True
+        finally:
+            admin.close()
+    except Exception:  # any failure to answer is the service being down, which is what is asked
+        return False
+
+
+def server_error_check(stack):
+    """The oracle, as a schemathesis check: a 5xx fails unless it is a documented 501, or a
+    documented 503 whose named service in `stack` does not answer a probe right after it."""
+
+    def no_5xx_unless_its_service_is_down(ctx, response, case):
+        status = response.status_code
+        if status < 500:
+            return
+        documented = case.operation.definition.raw.get("responses", {})
+        seen = f"{case.operation.label}: {status} {response.text[:300]}"
+        if status == 501 and "501" in documented:
+            return
+        if status != 503 or "503" not in documented:
+            raise AssertionError(f"undocumented server error: {seen}")
+        try:
+            detail = str(response.json()["detail"])
+        except (ValueError, KeyError, TypeError):
+            raise AssertionError(f"503 without a JSON detail: {seen}") from None
+        service = service_named(detail)
+        if service is None:
+            raise AssertionError(f"503 that names no service: {seen}")
+        if service_answers(stack, service):
+            raise AssertionError(f"503 blames {service}, but {service} answers: {seen}")
+
+    return no_5xx_unless_its_service_is_down
+
+
+# service: (the StackConfig port that reaches it, the request whose first stack call needs it)
+OUTAGES = {"Flink": ("flink_rest_port", "POST", "/v1/stream-finetune"),
+           "Kafka": ("kafka_port", "POST", "/v1/stream-finetune"),
+           "MLflow": ("mlflow_port", "GET", "/v1/models/{model_id}/versions")}
+
+
+def planted_503(stack_config, service: str, unique: str, tmp_path):
+    """A real 503 blaming `service`: from an app whose port for it is closed, while the real
+    service keeps answering. Answers (case, response, the app's stack)."""
     import dataclasses
 
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
+
+    from streamtune.api import ApiSettings, create_app
+
+    port_field, method, path = OUTAGES[service]
+    down = dataclasses.replace(stack_config, **{port_field: closed_port()})
+    app = create_app(ApiSettings(stack=down, token=TOKEN, jobs_file=tmp_path / "api" / "jobs.json",
+                                 promotion_log=tmp_path / "api" / "promotions.jsonl",
+                                 artifact_store=str(tmp_path / "adapters")))
+    operation = schemathesis.openapi.from_asgi("/openapi.json", app)[path][method]
+    if method == "POST":  # a topic no job serves: Flink is asked first, then Kafka creates topics
+        case = operation.Case(body=dict(SEED, model_id=f"oracle-{unique}",
+                                        stream_source=f"kafka://topic=test.api-oracle-{unique}"),
+                              media_type="application/json")
+    else:
+        case = operation.Case(path_parameters={"model_id": f"oracle-{unique}"})
+    response = case.call(headers=AUTH)
+    assert response.status_code == 503 and service in response.json()["detail"], response.text
+    return case, response, down
+
+
+@pytest.mark.guarantees
+@pytest.mark.parametrize("service", SERVICES)
+def test_fuzz_oracle_flags_a_503_while_its_service_answers(service, stack_config, unique, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a closed MLflow port fails at once
+    case, response, down = planted_503(stack_config, service, unique, tmp_path)
+    # Probing the stack the app was given: the service is down, the 503 is the right answer.
+    server_error_check(down)(None, response, case)
+    # Probing the real stack: the service answers, so the same 503 is a bug the oracle must flag.
+    with pytest.raises(AssertionError, match=f"503 blames {service}, but {service} answers"):
+        server_error_check(stack_config)(None, response, case)
+    # Whatever is down, any other 5xx fails, and so does a 503 that names no service.
+    for status, detail in ((500, "Internal Server Error"), (502, f"{service} gateway"), (503, "overloaded")):
+        other = SimpleNamespace(status_code=status, text=detail, json=lambda d=detail: {"detail": d})
+        with pytest.raises(AssertionError):
+            server_error_check(down)(None, other, case)
+
+
+def submittable(spec: dict, topic: str) -> dict:
+    """A generated spec with what the schema cannot say made true: a source on `topic`,
+    distinct non-empty target_modules, max_samples_per_step >= min_samples_per_window.
+    Every other generated value stays, so the submission logic sees them."""
+    spec = {**spec, "stream_source": f"kafka://topic={topic}"}
+    adapter, policy = spec.get("adapter_config"), spec.get("trigger_policy")
+    if isinstance(adapter, dict) and isinstance(adapter.get("target_modules"), list):
+        modules = list(dict.fromkeys(m for m in adapter["target_modules"] if m))
+        spec["adapter_config"] = {**adapter, "target_modules": modules or ["q_proj"]}
+    if isinstance(policy, dict) and isinstance(policy.get("min_samples_per_window"), (int, float)):
+        spec["trigger_policy"] = {**policy, "max_samples_per_step": max(policy.get("max_samples_per_step", 1024),
+                                                                        policy["min_samples_per_window"])}
+    return spec
+
+
+def cancel_jobs_named(stack, names: set[str]) -> list[str]:
+    """Cancel every live Flink job with one of `names` (Flink REST); wait until none is live.
+    Answers the ids of all jobs with those names, live or not."""
+    from streamtune.api.gateway import LIVE_STATES
+
+    def jobs():
+        return [j for j in requests.get(f"{stack.flink_rest_url}/jobs/overview", timeout=10).json()["jobs"]
+                if j["name"] in names]
+
+    for job in jobs():
+        if job["state"] in LIVE_STATES:
+            requests.patch(f"{stack.flink_rest_url}/jobs/{job['jid']}", params={"mode": "cancel"}, timeout=10)
+    deadline = time.monotonic() + 60
+    while live := [j["jid"] for j in jobs() if j["state"] in LIVE_STATES]:
+        assert time.monotonic() < deadline, f"fuzz jobs still live after cancel: {live}"
+        time.sleep(1)
+    return [j["jid"] for j in jobs()]
+
+
+@pytest.mark.guarantees
+def test_fuzzing_openapi_against_the_real_stack(stack_config, base_model, unique, tmp_path):
+    """Every operation, positive and negative cases; no 5xx unless its service is down, every
+    answer as documented. Positive specs train from topics of this test's own namespace."""
+    import collections
+
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings, strategies as st
     from schemathesis import GenerationMode
     from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                    status_code_conformance)
 
     from streamtune.api import ApiSettings, create_app
+    from streamtune.api.gateway import job_name
 
-    stack = dataclasses.replace(stack_config, home=tmp_path, data_dir=tmp_path / "data",
-                                flink_rest_port=closed_port())
-    app = create_app(ApiSettings(stack=stack, token=TOKEN))
+    # The oracle's silence means something only if it catches a planted false 503.
+    planted_case, planted, _ = planted_503(stack_config, "Flink", unique, tmp_path / "planted")
+    with pytest.raises(AssertionError, match="503 blames Flink, but Flink answers"):
+        server_error_check(stack_config)(None, planted, planted_case)
+
+    namespace = f"test.fuzz-{unique}"
+    # Two topics a job can serve (so two jobs at most), the second the longest whose job
+    # topics Kafka accepts (T.adapter-versions: 249 characters), and two the schema accepts
+    # but Kafka refuses as a job's topics.
+    topics = [f"{namespace}.a"] + [f"{namespace}.long-".ljust(n, "x") for n in (232, 233, 249)]
+    app = create_app(ApiSettings(stack=stack_config, token=TOKEN, jobs_file=tmp_path / "api" / "jobs.json",
+                                 promotion_log=tmp_path / "api" / "promotions.jsonl",
+                                 artifact_store=str(tmp_path / "adapters"), base_model=base_model))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-
-    def no_undocumented_server_error(ctx, response, case):
-        documented = case.operation.definition.raw.get("responses", {})
-        if response.status_code >= 500 and not (response.status_code == 503 and "503" in documented):
-            raise AssertionError(f"{case.operation.label}: {response.status_code} {response.text[:300]}")
-
-    checks = [no_undocumented_server_error, status_code_conformance, content_type_conformance,
+    checks = [server_error_check(stack_config), status_code_conformance, content_type_conformance,
               response_schema_conformance]
+    answered: collections.Counter = collections.Counter()  # (operation, status) -> count
+    reported_jobs: set[str] = set()  # job ids of 202 answers that say they submitted a job
     failures = []
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def run(case):
-                case.call_and_validate(headers=AUTH, checks=checks)
 
-            try:
-                run()
-            except Exception as e:  # collect every operation's failure, not just the first
-                failures.append(f"{operation.label} ({mode}): {e}")
-    # Generated specs rarely pass the stream_source validator: the seed's spec, valid, reaches
-    # the (closed) cluster and must get the documented 503, conforming to the schema.
-    seeded = schema["/v1/stream-finetune"]["POST"].Case(body=SEED, media_type="application/json")
-    response = seeded.call_and_validate(headers=AUTH, checks=checks)
-    assert response.status_code == 503 and "Flink" in response.json()["detail"]
+    def call(case):
+        response = case.call(headers=AUTH)
+        answered[(case.operation.label, response.status_code)] += 1
+        if case.operation.label == "POST /v1/stream-finetune" and response.status_code == 202:
+            body = response.json()
+            if body.get("submitted"):
+                reported_jobs.add(body.get("job_id"))
+        case.validate_response(response, checks=checks)
+        return response
+
+    try:
+        # The seed's spec on a namespace topic: one job certainly submitted before fuzzing.
+        seeded = schema["/v1/stream-finetune"]["POST"].Case(
+            body=dict(SEED, stream_source=f"kafka://topic={topics[0]}"), media_type="application/json")
+        assert call(seeded).status_code == 202
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                # Positive specs reach submission only as `submittable` makes them (our topics).
+                submits = operation.label == "POST /v1/stream-finetune" and mode == GenerationMode.POSITIVE
+
+                @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+                @given(case=operation.as_strategy(generation_mode=mode), topic=st.sampled_from(topics))
+                def run(case, topic):
+                    if submits and isinstance(case.body, dict):
+                        case.body = submittable(case.body, topic)
+                    call(case)
+
+                try:
+                    run()
+                except Exception as e:  # collect every operation's failure, not just the first
+                    failures.append(f"{operation.label} ({mode}): {e}")
+    finally:
+        jobs = cancel_jobs_named(stack_config, {job_name(t) for t in topics})
     assert not failures, "\n\n".join(failures)
+    # Fuzzing reached the submission logic: generated specs were submitted or hot-updated.
+    accepted = sum(n for (label, status), n in answered.items()
+                   if label == "POST /v1/stream-finetune" and status in (200, 202))
+    assert accepted >= 5, dict(answered)
+    # Every job on the cluster for our topics is one an answer reported, and the other way round.
+    assert set(jobs) == reported_jobs, (jobs, reported_jobs)

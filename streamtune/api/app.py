@@ -8,6 +8,7 @@ log in `streamtune.api.jobs_file`.
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -26,13 +27,24 @@ JOB_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "stream_finetune.py"
 
 
 def read_token(token_file: Optional[str]) -> Optional[str]:
-    """The bearer token: the content of `token_file` when given, else $STREAMTUNE_API_TOKEN."""
+    """The bearer token: the content of `token_file` when given, else $STREAMTUNE_API_TOKEN.
+
+    A token must be visible ASCII: HTTP headers carry nothing else, so any other token could
+    never be sent (the client would crash encoding it).
+    """
     if not token_file:
-        return os.environ.get("STREAMTUNE_API_TOKEN") or None
-    try:
-        return Path(token_file).read_text().strip() or None
-    except OSError as e:
-        raise ConfigError(f"--token-file {token_file}: {e.strerror}") from None
+        token, source = os.environ.get("STREAMTUNE_API_TOKEN") or None, "STREAMTUNE_API_TOKEN"
+    else:
+        source = f"--token-file {token_file}"
+        try:
+            token = Path(token_file).read_text().strip() or None
+        except OSError as e:
+            raise ConfigError(f"{source}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: not a text file (UTF-8)") from None
+    if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise ConfigError(f"{source}: a token must be visible ASCII characters, no spaces")
+    return token
 
 
 @dataclass

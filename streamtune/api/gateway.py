@@ -56,6 +56,27 @@ def job_topics(topic: str) -> dict[str, str]:
             "dlq": f"{topic}.dlq", "adapter-versions": f"{topic}.adapter-versions"}
 
 
+# Kafka refuses a topic name over 249 characters, and the names "." and "..".
+KAFKA_TOPIC_MAX = 249
+
+
+def unusable_job_topic(topic: str) -> Optional[str]:
+    """Why Kafka would refuse one of the topics of the job for `topic`; None when it takes them.
+
+    >>> unusable_job_topic("clicks") is None
+    True
+    >>> unusable_job_topic("x" * 233)
+    'the job topic x….adapter-versions would be 250 characters; Kafka allows 249'
+    """
+    for t in job_topics(topic).values():
+        if len(t) > KAFKA_TOPIC_MAX:
+            return (f"the job topic {t[0]}…{t[len(topic):]} would be {len(t)} characters; "
+                    f"Kafka allows {KAFKA_TOPIC_MAX}")
+        if t in (".", ".."):
+            return f"Kafka does not allow a topic named {t!r}"
+    return None
+
+
 class StackGateway:
     """The stack as the control plane sees it.
 
@@ -183,10 +204,16 @@ class StackGateway:
     def versions(self, model_id: str) -> list[VersionInfo]:
         """The model's MLflow versions, oldest first."""
         client = self._mlflow_client()
-        if self._mlflow(client.get_registered_model, model_id, missing_ok=True) is None:
+        model = self._mlflow(client.get_registered_model, model_id, missing_ok=True)
+        if model is None:
             raise MlflowNotFound(f"model {model_id} is not registered in MLflow")
         found = self._mlflow(client.search_model_versions, f"name = '{model_id}'") or []
-        return [_version_info(mv) for mv in sorted(found, key=lambda mv: int(mv.version))]
+        # search_model_versions answers versions without their aliases: the model has them.
+        aliases: dict[int, list[str]] = {}
+        for alias, version in (model.aliases or {}).items():
+            aliases.setdefault(int(version), []).append(alias)
+        return [_version_info(mv, aliases.get(int(mv.version), []))
+                for mv in sorted(found, key=lambda mv: int(mv.version))]
 
     def move_alias(self, model_id: str, alias: str, version: int) -> Optional[int]:
         """Point the model's `alias` at `version`; answers the version it pointed at before."""
@@ -224,8 +251,8 @@ class StackGateway:
             raise StackUnavailable(f"MLflow not reachable at {uri}: {type(e).__name__}")
 
 
-def _version_info(mv) -> VersionInfo:
-    """An MLflow model version and the streamtune.* tags the registrar set on it."""
+def _version_info(mv, aliases: list[str]) -> VersionInfo:
+    """An MLflow model version, its aliases and the streamtune.* tags the registrar set on it."""
     tags = mv.tags or {}
 
     def tag(key: str, cast: Callable[[str], Any] = int) -> Any:
@@ -234,7 +261,7 @@ def _version_info(mv) -> VersionInfo:
         except (KeyError, ValueError):
             return None
 
-    return VersionInfo(version=int(mv.version), aliases=sorted(mv.aliases or []), status=str(mv.status),
+    return VersionInfo(version=int(mv.version), aliases=sorted(aliases), status=str(mv.status),
                        run_id=mv.run_id, source=mv.source, created_ms=mv.creation_timestamp,
                        version_id=tags.get("streamtune.version_id"), seq=tag("seq"),
                        window_start=tag("window_start"), window_end=tag("window_end"), samples=tag("samples"),

@@ -40,13 +40,15 @@ from dataclasses import dataclass, field
 from typing import Annotated, Optional, Union
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path as PathParam, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 
 from core.messages import MODEL_ID, FinetuneSpec
 
-from .gateway import LIVE_STATES, MlflowNotFound, StackGateway, StackUnavailable, job_name, job_topics
+from .gateway import (LIVE_STATES, MlflowNotFound, StackGateway, StackUnavailable, job_name, job_topics,
+                      unusable_job_topic)
 from .jobs_file import JobsFile, PromotionLog
 from .models import (AliasRequest, AliasResponse, Counters, ErrorBody, FeedbackAccepted, FeedbackEvent, Promotion,
                      PromotionsResponse, StatusResponse, StopResponse, SubmitResponse, VersionsResponse, Window,
@@ -140,6 +142,10 @@ def submit(spec: FinetuneSpec, actor: Writer, plane: Plane):
         raise HTTPException(501, f"stream_source {spec.stream_source.split(':', 1)[0]}:// is not implemented "
                                  "in the API: CDC sources need `streamtune cdc` and jobs/cdc_retrain.py with a "
                                  "mapping file (README, CDC); publish the spec to that job's config topic")
+    problem = unusable_job_topic(topic)
+    if problem:  # the spec's schema allows it; the job's derived topics would not exist
+        raise RequestValidationError([{"type": "value_error", "loc": ("body", "stream_source"), "msg": problem,
+                                       "input": spec.stream_source}])
     spec_hash = spec.spec_hash()
     with plane.jobs_lock:
         data = plane.jobs.load()
