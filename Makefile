@@ -12,9 +12,10 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 demo: install
 	$(BIN)/streamtune demo
 
+# The full suite; PYTEST_ARGS narrows it (CI: -m "not slow").
 test: install
 	$(BIN)/streamtune stack up
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 stack-up: install
 	$(BIN)/streamtune stack up

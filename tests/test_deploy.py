@@ -179,6 +179,7 @@ def test_flink_run_alone_registers_and_broadcasts(stack_config, cluster_job, uni
     assert client.get_registered_model(model_id).aliases["candidate"] == mvs[-1].version
 
 
+@pytest.mark.slow
 def test_mlflow_outage_delays_registration_never_training(stack_config, cluster_job, unique):
     """MLflow stopped for 60 s mid-stream: versions keep being committed; afterwards every one
     is registered exactly once, in seq order, with no gap."""
@@ -264,6 +265,7 @@ def _artifacts(store: Path) -> list[Path]:
     return [p for p in store.glob("*") if p.is_dir() and not p.name.startswith(".tmp-")] if store.exists() else []
 
 
+@pytest.mark.slow
 def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_twice(
         stack_config, cluster_job, unique):
     """kill -9 of the TaskManager when a committed version is not registered yet; a new

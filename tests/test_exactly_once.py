@@ -22,7 +22,7 @@ from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import LocalJob
 from streamtune.tinymodel import digit_pairs
 
-pytestmark = [pytest.mark.finetune, pytest.mark.exactly_once, pytest.mark.guarantees]
+pytestmark = [pytest.mark.finetune, pytest.mark.exactly_once, pytest.mark.guarantees, pytest.mark.slow]
 T0 = 1_760_000_000_000
 SAMPLES, PER_WINDOW, WINDOW_MS = 600, 20, 2000
 
