@@ -49,25 +49,22 @@ def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str,
 
 def at_least_once_sink(bootstrap: str, topic: str) -> KafkaSink:
     """Records are sent as they come and flushed at each checkpoint (readers drop repeats)."""
-    return (KafkaSink.builder()
-            .set_bootstrap_servers(bootstrap)
-            .set_record_serializer(KafkaRecordSerializationSchema.builder()
-                                   .set_topic(topic)
-                                   .set_value_serialization_schema(SimpleStringSchema())
-                                   .build())
-            .set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
-            .build())
+    return _sink(bootstrap, topic, DeliveryGuarantee.AT_LEAST_ONCE).build()
 
 
 def exactly_once_sink(bootstrap: str, topic: str, transactional_id_prefix: str) -> KafkaSink:
     """Records become visible to read_committed readers when the checkpoint completes."""
+    return (_sink(bootstrap, topic, DeliveryGuarantee.EXACTLY_ONCE)
+            .set_transactional_id_prefix(transactional_id_prefix)
+            .set_property("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS)
+            .build())
+
+
+def _sink(bootstrap: str, topic: str, guarantee: DeliveryGuarantee):
     return (KafkaSink.builder()
             .set_bootstrap_servers(bootstrap)
             .set_record_serializer(KafkaRecordSerializationSchema.builder()
                                    .set_topic(topic)
                                    .set_value_serialization_schema(SimpleStringSchema())
                                    .build())
-            .set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE)
-            .set_transactional_id_prefix(transactional_id_prefix)
-            .set_property("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS)
-            .build())
+            .set_delivery_guarantee(guarantee))

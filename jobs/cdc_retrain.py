@@ -28,8 +28,7 @@ from pyflink.common import Types
 from pyflink.datastream import StreamExecutionEnvironment
 
 from core.errors import ConfigError
-from jobs.wiring import (JobConfig, add_job_arguments, environment, kafka_rows, register, sink_dead_letters,
-                         table_environment, train)
+from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, table_environment, train_and_register
 from operators.cdc_mapping import CdcMapping
 from operators.row_changes import RowChangeFunction
 from operators.validate import CHANGE_TAG, DLQ_TAG, VALID_TYPE, ValidateFunction
@@ -55,11 +54,8 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, cdc_topics: list[str]
               .key_by(lambda c: c[0], key_type=Types.STRING())
               .process(RowChangeFunction(mapping), output_type=VALID_TYPE)
               .name("row-changes").uid("row-changes"))
-    dead_letters = [validated.get_side_output(DLQ_TAG), mapped.get_side_output(DLQ_TAG),
-                    *train(validated.union(mapped), job)]
-    if job.register:
-        dead_letters += register(t_env, job)
-    sink_dead_letters(dead_letters, job)
+    train_and_register(t_env, job, validated.union(mapped),
+                       [validated.get_side_output(DLQ_TAG), mapped.get_side_output(DLQ_TAG)])
 
 
 def main(argv: list[str] | None = None) -> None:

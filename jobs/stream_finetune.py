@@ -31,8 +31,7 @@ import sys
 from pyflink.datastream import StreamExecutionEnvironment
 
 from core import defaults
-from jobs.wiring import (JobConfig, add_job_arguments, environment, kafka_rows, register, sink_dead_letters,
-                         table_environment, train)
+from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, table_environment, train_and_register
 from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction
 
 
@@ -42,10 +41,7 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str) 
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes),
                              output_type=VALID_TYPE).name("validate").uid("validate")
-    dead_letters = [validated.get_side_output(DLQ_TAG), *train(validated, job)]
-    if job.register:
-        dead_letters += register(t_env, job)
-    sink_dead_letters(dead_letters, job)
+    train_and_register(t_env, job, validated, [validated.get_side_output(DLQ_TAG)])
 
 
 def main(argv: list[str] | None = None) -> None:

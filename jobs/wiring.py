@@ -171,6 +171,15 @@ def register(t_env: StreamTableEnvironment, job: JobConfig) -> list:
     return [records.get_side_output(DLQ_TAG), broadcasts.get_side_output(DLQ_TAG)]
 
 
+def train_and_register(t_env: StreamTableEnvironment, job: JobConfig, trainer_input, dead_letters: list) -> None:
+    """How every training job ends: the trainer, registration (unless --no-register), and one
+    DLQ for `dead_letters` and the dead letters of both."""
+    dead_letters = [*dead_letters, *train(trainer_input, job)]
+    if job.register:
+        dead_letters += register(t_env, job)
+    sink_dead_letters(dead_letters, job)
+
+
 def sink_dead_letters(dead_letters: list, job: JobConfig) -> None:
     """Every dead letter of the job → the DLQ topic, exactly-once."""
     dead_letters[0].union(*dead_letters[1:]) \

@@ -52,6 +52,9 @@ class FinetuneFunction(KeyedProcessFunction):
         from operators.lora_trainer import LoraTrainer, threads_from_env
 
         self.store = ArtifactStore(self.settings.artifact_store, self.settings.tracking_uri)
+        # A restore fires past-due processing-time timers at once, before the backlog (which
+        # may hold the config) is read: grace periods count running time from here.
+        self.opened_at = int(time.time() * 1000)
         threads_from_env()
         if Path(self.settings.default_base_model, "config.json").exists():
             LoraTrainer.for_base(self.settings.default_base_model)  # load once, before the first window
@@ -174,6 +177,12 @@ class FinetuneFunction(KeyedProcessFunction):
         model_id = ctx.get_current_key()
         if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
             if self.grace.value() != timestamp:
+                return
+            resumed_deadline = self.opened_at + self.settings.unknown_model_grace_ms
+            if timestamp - self.settings.unknown_model_grace_ms < self.opened_at:
+                # Set before this run began: the downtime does not count against the config.
+                self.grace.update(resumed_deadline)
+                ctx.timer_service().register_processing_time_timer(resumed_deadline)
                 return
             self.grace.clear()
             if self.config.value() is None:

@@ -123,3 +123,68 @@ def psql(dsn: str, sql: str) -> str:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"psql failed: {result.stderr}"
     return result.stdout
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
+    """Poll `predicate` until it returns something true (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+class InMemoryValue:
+    """Flink's ValueState reduced to a variable: to call an operator's process_element directly."""
+
+    def __init__(self):
+        self.held = None
+
+    def value(self):
+        return self.held
+
+    def update(self, value) -> None:
+        self.held = value
+
+    def clear(self) -> None:
+        self.held = None
+
+
+class CountingCounter:
+    """Flink's Counter reduced to an int."""
+
+    def __init__(self):
+        self.count = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.count += n
+
+
+def row_change_function(mapping):
+    """RowChangeFunction with in-memory state and counters: its process_element, no Flink."""
+    from collections import defaultdict
+
+    from operators.row_changes import RowChangeFunction
+
+    fn = RowChangeFunction(mapping)
+    fn.row, fn.counters = InMemoryValue(), defaultdict(CountingCounter)
+    return fn
+
+
+def records_read(config, job_id: str, vertex: str) -> int:
+    """How many records the job's vertices named like `vertex` have received (Flink REST)."""
+    import requests
+
+    details = requests.get(f"{config.flink_rest_url}/jobs/{job_id}", timeout=5).json()
+    return sum(v["metrics"]["read-records"] for v in details.get("vertices", []) if vertex in v["name"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 import requests
 
 from streamtune.local_job import kill_group, spawn_logged
+from streamtune.testing import free_port, wait_for
 
 pytestmark = [pytest.mark.api, pytest.mark.guarantees]
 REPO = Path(__file__).resolve().parents[1]
@@ -28,22 +28,6 @@ TOKEN = "process-test-token-0123456789"
 DECOY_ENV_TOKEN = "environment-token-not-in-force"
 SPEC = {"adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
         "trigger_policy": {"min_samples_per_window": 8, "window_seconds": 2}, "training": {"lr": 0.01}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
 
 
 def streamtune(*args: str, token: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -27,28 +26,12 @@ from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import kill_group, spawn_logged
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.stack.mlflow import MLflow
-from streamtune.testing import job_args, job_topics, spec, wait_for_records
+from streamtune.testing import free_port, job_args, job_topics, spec, wait_for, wait_for_records
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.deploy
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "deploy-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
 
 
 def mlflow_client(stack_config):
@@ -108,6 +91,8 @@ def test_api_process_registers_versions_loadable_from_another_process(stack_conf
 
         versions = wait_for(lambda: _versions(url, model_id, 3), 150, "3 versions listed by the API")
         assert [v["seq"] for v in versions] == [1, 2, 3] and all(v["samples"] == 10 for v in versions)
+        # A version is listed once it exists; its aliases move just after, before its broadcast.
+        wait_for_records(stack_config.kafka_bootstrap, f"{topic}.adapter-versions", AdapterVersionBroadcast, 3, 60)
         champion = mlflow_client(stack_config).get_model_version_by_alias(model_id, "champion")
         loaded = subprocess.run([sys.executable, "-c", LOAD_CHAMPION, model_id, str(base_model)], capture_output=True,
                                 text=True, timeout=300, cwd=tmp_path,
@@ -133,6 +118,24 @@ def _versions(url: str, model_id: str, count: int):
     r = requests.get(f"{url}/v1/models/{model_id}/versions", timeout=10)
     versions = r.json()["versions"] if r.status_code == 200 else []
     return sorted(versions, key=lambda v: v["seq"]) if len(versions) >= count else None
+
+
+def stream_windows(bootstrap: str, topic: str, model_id: str, t0: int, windows: int,
+                   stop: threading.Event) -> threading.Thread:
+    """A live stream in a thread: one 2 s window of 10 samples every 2 s of wall time, until `stop`."""
+    pairs = digit_pairs(windows * 10, seed=8)
+
+    def stream():
+        for w in range(windows):
+            if stop.is_set():
+                return
+            send_samples(bootstrap, topic, digit_samples(model_id, pairs[w * 10:(w + 1) * 10], t0 + w * 2000, 200,
+                                                         f"w{w}-"))
+            stop.wait(2)
+
+    producer = threading.Thread(target=stream, daemon=True)
+    producer.start()
+    return producer
 
 
 @pytest.fixture
@@ -187,19 +190,8 @@ def test_mlflow_outage_delays_registration_never_training(stack_config, cluster_
     start()
     boot, model_id, t0 = stack_config.kafka_bootstrap, f"outage-{unique}", 1_771_000_000_000
     send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)
-    pairs = digit_pairs(400, seed=8)
     stop = threading.Event()
-
-    def stream():  # one 2 s window of 10 samples every 2 s of wall time
-        for w in range(40):
-            if stop.is_set():
-                return
-            send_samples(boot, topics["feedback"], digit_samples(model_id, pairs[w * 10:(w + 1) * 10],
-                                                                 t0 + w * 2000, 200, f"w{w}-"))
-            time.sleep(2)
-
-    producer = threading.Thread(target=stream, daemon=True)
-    producer.start()
+    producer = stream_windows(boot, topics["feedback"], model_id, t0, 40, stop)
     mlflow = MLflow(stack_config)
     try:
         wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, 1, 120)
@@ -278,19 +270,8 @@ def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_tw
     job = start()
     boot, model_id, t0 = stack_config.kafka_bootstrap, f"tmkill-{unique}", 1_773_000_000_000
     send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)
-    pairs = digit_pairs(300, seed=12)
     stop = threading.Event()
-
-    def stream():  # one 2 s window of 10 samples every 2 s of wall time
-        for w in range(30):
-            if stop.is_set():
-                return
-            send_samples(boot, topics["feedback"], digit_samples(model_id, pairs[w * 10:(w + 1) * 10],
-                                                                 t0 + w * 2000, 200, f"w{w}-"))
-            time.sleep(2)
-
-    producer = threading.Thread(target=stream, daemon=True)
-    producer.start()
+    producer = stream_windows(boot, topics["feedback"], model_id, t0, 30, stop)
     flink, client = Flink(stack_config), mlflow_client(stack_config)
     try:
         wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, 2, 120)

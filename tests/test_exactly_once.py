@@ -22,11 +22,12 @@ from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import LocalJob
 from streamtune.tinymodel import digit_pairs
 
-pytestmark = [pytest.mark.finetune, pytest.mark.exactly_once, pytest.mark.guarantees, pytest.mark.slow]
+pytestmark = [pytest.mark.finetune, pytest.mark.exactly_once, pytest.mark.guarantees]
 T0 = 1_760_000_000_000
 SAMPLES, PER_WINDOW, WINDOW_MS = 600, 20, 2000
 
 
+@pytest.mark.slow
 def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version(
         stack_config, base_model, tmp_path, unique):
     from mlflow import MlflowClient
@@ -130,3 +131,46 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
     assert sorted(lineage) == sorted(s.sample_id for s in samples), "every sample in exactly one version"
     for mv in registered:
         assert mv.tags["streamtune.sha256"] == by_id[mv.tags["streamtune.version_id"]][0].sha256
+
+
+def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_model, tmp_path, unique):
+    """Samples of a model whose config has not arrived are held for a grace period of running
+    time. A restore after a downtime longer than that period must not dead-letter them before
+    the restored job has read its backlog (which holds the config)."""
+    from core.messages import DeadLetter
+
+    boot, grace_s = stack_config.kafka_bootstrap, 10
+    topics = job_topics(boot, f"test.grace-{unique}")
+    known, late = f"known-{unique}", f"late-{unique}"
+    send_config(boot, topics["configs"], spec(known, topics, min_samples=1), T0)
+    held = digit_samples(late, digit_pairs(3, seed=5), T0, 100, id_prefix="held")
+    held_closer = digit_samples(late, digit_pairs(1, seed=6), T0 + 10 * WINDOW_MS, 1, id_prefix="held-closer")
+    # The known model's samples come after the held ones in the same partition: its committed
+    # version proves a checkpoint holding the held samples in the trainer's state completed.
+    # Each model's later sample closes its first window (their own data, not the watermark).
+    marker = digit_samples(known, digit_pairs(2, seed=7), T0 + 200, 1000)
+    marker_closer = digit_samples(known, digit_pairs(1, seed=8), T0 + 10 * WINDOW_MS, 1, id_prefix="closer")
+    send_samples(boot, topics["feedback"], held + marker + held_closer + marker_closer)
+    job = LocalJob(job_args(topics, base_model, tmp_path / "adapters", "--bootstrap", boot,
+                            "--checkpoint-interval-ms", "1000", "--unknown-model-grace-seconds", str(grace_s),
+                            "--no-register", "--job-name", f"grace-{unique}"),
+                   tmp_path / "checkpoints", tmp_path / "job.log")
+    job.start()
+    try:
+        first = wait_for_records(boot, topics["versions"], VersionRecord, 1, 120)
+        assert first and job.running(), (tmp_path / "job.log").read_text()[-3000:]
+        held_at = time.monotonic()
+        job.kill()
+        # The config arrives during the downtime, and the downtime outlasts the grace period.
+        send_config(boot, topics["configs"], spec(late, topics, min_samples=1), T0)
+        while time.monotonic() < held_at + grace_s + 1:  # wall time must pass: that is the scenario
+            time.sleep(0.2)
+        assert job.restart_from_latest() is not None
+        trained = wait_for_records(boot, topics["versions"], VersionRecord, 1, 120,
+                                   predicate=lambda v: v.model_id == late)
+    finally:
+        job.kill()
+    dead = wait_for_records(boot, topics["dlq"], DeadLetter, 0, 0)
+    assert not [d for d in dead if d.model_id == late], [d.detail for d in dead][:3]
+    assert trained, (tmp_path / "job.log").read_text()[-3000:]
+    assert sorted(trained[0].lineage.sample_ids) == sorted(s.sample_id for s in held)

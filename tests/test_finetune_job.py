@@ -17,7 +17,7 @@ import pytest
 
 from core.messages import DeadLetter, FeedbackSample, RetrainTrigger, VersionRecord
 from connectors.artifact_store import ArtifactStore
-from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
+from streamtune.testing import job_args, job_topics, records_read, spec, spec_fields, wait_for, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_raw, send_samples
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.tinymodel import digit_pairs
@@ -28,11 +28,14 @@ T0 = 1_750_000_000_000  # event time of the scenarios (windows are epoch aligned
 
 
 def wait_until_running(config, job_id: str, timeout: float = 60) -> None:
-    """Until the job's tasks run (its Python workers take a few seconds more to start)."""
-    deadline = time.monotonic() + timeout
-    while job_state(config, job_id) != "RUNNING" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(5)
+    """Until the job runs (records sent before that wait in Kafka, in order)."""
+    wait_for(lambda: job_state(config, job_id) == "RUNNING", timeout, "the job to run", interval=0.5)
+
+
+def wait_until_trainer_read(config, job_id: str, count: int, timeout: float = 60) -> None:
+    """Until the trainer has received `count` records: what it received, it handles in order."""
+    wait_for(lambda: records_read(config, job_id, "lora-trainer") >= count, timeout,
+             f"the trainer to receive {count} records", interval=0.2)
 
 
 def malformed_records(n: int, model_id: str, seed: int) -> list[tuple[bytes, str]]:
@@ -85,7 +88,7 @@ def scenario(stack_config, base_model, tmp_path_factory):
         for s in first_late:
             producer.send(topics["feedback"], s.to_json().encode(), timestamp_ms=s.ts)
         producer.flush()
-        time.sleep(2)
+        wait_until_trainer_read(stack_config, job, 2 + len(first_late))  # two configs, then these samples
         send_config(stack_config.kafka_bootstrap, topics["configs"],
                     spec(models["late"], topics, min_samples=10, window_seconds=5), T0 + 1000)
         samples = [s for s in samples if s not in first_late]
@@ -195,7 +198,8 @@ def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lette
         invalid = spec_fields(model_id, f"kafka://topic={topics['feedback']}", rank=-1, min_samples=20,
                               window_seconds=2)
         send_raw(bs, topics["configs"], model_id, json.dumps(invalid), T0 + 2)
-        time.sleep(3)  # both configs are read before phase 2 arrives
+        # The first and the second config and phase 1 (the invalid config stops at validation).
+        wait_until_trainer_read(stack_config, job, 1 + 48 + 1)
         # Phase 2: windows 5-7 with 25 samples each, then a closer in window 9.
         phase2 = digit_samples(model_id, pairs[48:123], T0 + 8000, 2000 / 25, id_prefix="p2-")
         closer = digit_samples(model_id, pairs[:1], T0 + 16_500, 1, id_prefix="closer-")

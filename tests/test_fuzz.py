@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,6 +38,7 @@ from core.errors import InvalidMessage
 from core.messages import ChangeEnvelope, DeadLetter, VersionRecord, is_model_id
 from core.messages.dead_letter import REASONS
 from core.messages.version import EXAMPLE as VERSION_EXAMPLE
+from streamtune.testing import row_change_function
 from operators.validate import CONTRACTS, dead_letter, parse, parse_change
 
 pytestmark = pytest.mark.guarantees
@@ -158,27 +159,10 @@ def check_accepted(case: Case, result) -> None:
         assert is_model_id(result.model_id)
 
 
-class _State:
-    def __init__(self):
-        self.held = None
-
-    def value(self):
-        return self.held
-
-    def update(self, value):
-        self.held = value
-
-
-class _Counter:
-    def inc(self, n: int = 1):
-        pass
-
-
 def run_row_change(row_key: str, payload: str) -> None:
     """An accepted change through RowChangeFunction.process_element (in-memory state), with a
     mapping for its own table when its names allow one, so samples are built from it."""
     from operators.cdc_mapping import CdcMapping
-    from operators.row_changes import RowChangeFunction
     from operators.validate import DLQ_TAG
 
     event = ChangeEnvelope.from_json(payload)
@@ -191,8 +175,7 @@ def run_row_change(row_key: str, payload: str) -> None:
     except ValueError:  # names no mapping file can hold: a mapping that never matches
         mapping = CdcMapping.model_validate({"mappings": [{"table": "other", "model_id": {"value": "bot"},
                                                            "prompt": "p", "completion": "c"}]})
-    fn = RowChangeFunction(mapping)
-    fn.row, fn.counters = _State(), defaultdict(_Counter)
+    fn = row_change_function(mapping)
     for out in fn.process_element((row_key, payload, "cdc", 0, 7, 1), None):
         if out[0] is DLQ_TAG:
             assert DeadLetter.from_json(out[1]).reason == "unmappable"

@@ -29,6 +29,7 @@ from core.messages import (AdapterVersionBroadcast, ChangeEnvelope, ChangeSource
 from core.messages.version import EXAMPLE as VERSION_EXAMPLE
 from core.sources import source_for
 from core.sources.postgres import PostgresSource
+from streamtune.testing import row_change_function
 
 pytestmark = pytest.mark.guarantees
 REPO = Path(__file__).resolve().parents[1]
@@ -255,36 +256,6 @@ def pg_change(after: dict) -> ChangeEnvelope:
     src = PostgresSource.change_source("pg", "app", "public", "answers", commit_lsn=200, lsn=100, tx_index=0,
                                        tx_id=7, commit_ts_ms=1_700_000_000_000, snapshot=False)
     return ChangeEnvelope(op="c", after=after, source=ChangeSource.model_validate(src), ts_ms=2)
-
-
-class FakeState:
-    def __init__(self):
-        self.held = None
-
-    def value(self):
-        return self.held
-
-    def update(self, value):
-        self.held = value
-
-
-class FakeCounter:
-    def __init__(self):
-        self.count = 0
-
-    def inc(self, n: int = 1):
-        self.count += n
-
-
-def row_change_function(mapping):
-    """RowChangeFunction with in-memory state and counters: its process_element, no Flink."""
-    from collections import defaultdict
-
-    from operators.row_changes import RowChangeFunction
-
-    fn = RowChangeFunction(mapping)
-    fn.row, fn.counters = FakeState(), defaultdict(FakeCounter)
-    return fn
 
 
 def test_hostile_model_id_in_a_row_is_unmappable_not_a_sample():
