@@ -31,6 +31,9 @@ VERSIONS_TOPIC = "streamtune.versions"
 DLQ_TOPIC = "streamtune.dlq"
 ADAPTER_VERSIONS_TOPIC = "streamtune.adapter-versions"
 CDC_OFFSETS_TOPIC = "streamtune.cdc-offsets"
+INFERENCE_LOG_TOPIC = "streamtune.inference-log"
+# Every job's broadcast topic (`<topic>.adapter-versions` from the API, and the default).
+BROADCAST_TOPIC_PATTERN = r".*adapter-versions"
 
 
 def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:

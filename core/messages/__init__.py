@@ -9,6 +9,7 @@
 | DeadLetter               | streamtune.dlq               | validation, trainer, CDC        | dead_letter   |
 | AdapterVersionBroadcast  | streamtune.adapter-versions  | the registrar                   | broadcast     |
 | ChangeEnvelope           | streamtune.cdc.<name>        | `streamtune cdc`, Debezium      | change        |
+| InferenceRecord          | streamtune.inference-log     | `streamtune serve`              | inference     |
 
 `sql/ddl.sql` declares the same fields as Flink SQL tables (tests/test_contracts.py checks it).
 """
@@ -18,11 +19,12 @@ from core.messages.broadcast import AdapterVersionBroadcast
 from core.messages.change import ChangeEnvelope, ChangeOrigin, ChangeSource, Retraction
 from core.messages.dead_letter import DeadLetter, SourcePosition
 from core.messages.feedback import FeedbackSample
+from core.messages.inference import InferenceRecord
 from core.messages.spec import AdapterConfig, FinetuneSpec, TrainingConfig, TriggerPolicy
 from core.messages.trigger import RetrainTrigger
 from core.messages.version import Lineage, OffsetRange, VersionMetrics, VersionRecord
 
 __all__ = ["MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
-           "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample",
+           "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample", "InferenceRecord",
            "AdapterConfig", "FinetuneSpec", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
            "OffsetRange", "VersionMetrics", "VersionRecord"]

@@ -1,0 +1,222 @@
+"""Follow registered adapter versions and their aliases, for any inference process.
+
+Two sources, each for what it is the truth of:
+- the durable broadcast topics (every job's `*adapter-versions`, read from the beginning):
+  which versions exist, with their artifact URI and sha256. A process that starts late or
+  restarts catches up on all of them before it calls itself ready;
+- MLflow's registered-model aliases, polled every `alias_poll_s` (0.25 s): where `champion`
+  and `candidate` point, whoever moved them (the job's registration, the control plane, or a
+  person in the MLflow UI).
+
+The follower calls `on_alias(model_id, alias, version)` when an alias moves to a version it
+knows (or, later, when the version's broadcast arrives), and loads artifacts on request with
+`fetch`, checking their sha256 (ArtifactIntegrityError otherwise). It never serves anything
+itself: the server (streamtune/serve) and the Flink inference job embed it.
+
+    follower = AdapterFollower(FollowerSettings(bootstrap, tracking_uri, store_location),
+                               on_alias=lambda m, a, v: print(m, a, v))
+    follower.start()
+    follower.wait_caught_up(60)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from core import defaults
+from core.errors import InvalidMessage
+from core.messages import AdapterVersionBroadcast
+
+log = logging.getLogger("streamtune.follower")
+
+FOLLOWED_ALIASES = ("champion", "candidate")
+
+
+@dataclass(frozen=True)
+class FollowerSettings:
+    bootstrap: str
+    tracking_uri: Optional[str]                 # None: aliases from the broadcasts only
+    artifact_store: str
+    topic_pattern: str = defaults.BROADCAST_TOPIC_PATTERN
+    alias_poll_s: float = 0.25
+    topic_refresh_s: float = 2.0
+
+
+class AdapterFollower:
+    def __init__(self, settings: FollowerSettings,
+                 on_alias: Callable[[str, str, int], None] = lambda model_id, alias, version: None):
+        from connectors.artifact_store import ArtifactStore
+
+        self.settings = settings
+        self.on_alias = on_alias
+        self.store = ArtifactStore(settings.artifact_store, settings.tracking_uri)
+        self._lock = threading.Lock()
+        self._versions: dict[str, dict[int, AdapterVersionBroadcast]] = {}
+        self._aliases: dict[str, dict[str, int]] = {}        # as last applied
+        self._wanted: dict[str, dict[str, int]] = {}         # as MLflow says, maybe not yet broadcast
+        self._caught_up = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.errors: list[str] = []                          # the last few, for /readyz and logs
+        self.last_alias_poll: float = 0.0
+
+    # -- what is known ------------------------------------------------------------------
+    def version(self, model_id: str, version: int) -> Optional[AdapterVersionBroadcast]:
+        with self._lock:
+            return self._versions.get(model_id, {}).get(version)
+
+    def alias(self, model_id: str, alias: str) -> Optional[int]:
+        with self._lock:
+            return self._aliases.get(model_id, {}).get(alias)
+
+    def models(self) -> dict[str, dict]:
+        """{model_id: {"versions": [..], "aliases": {alias: version}}} of every known model."""
+        with self._lock:
+            return {m: {"versions": sorted(vs), "aliases": dict(self._aliases.get(m, {}))}
+                    for m, vs in self._versions.items()}
+
+    def fetch(self, broadcast: AdapterVersionBroadcast) -> dict[str, bytes]:
+        """The version's artifact files, sha256-checked (ArtifactIntegrityError otherwise)."""
+        return self.store.get(broadcast.artifact_uri, broadcast.sha256)
+
+    @property
+    def caught_up(self) -> bool:
+        return self._caught_up.is_set()
+
+    def wait_caught_up(self, timeout: float) -> bool:
+        return self._caught_up.wait(timeout)
+
+    # -- running ------------------------------------------------------------------------
+    def start(self) -> "AdapterFollower":
+        self._thread = threading.Thread(target=self._run, name="adapter-follower", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        consumer = None
+        while not self._stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = self._consumer()
+                self._follow(consumer)
+            except Exception as e:  # a broker or MLflow outage: report, back off, go on
+                self._error(f"follower: {type(e).__name__}: {e}")
+                if consumer is not None:
+                    try:
+                        consumer.close()
+                    except Exception:
+                        pass
+                    consumer = None
+                self._stop.wait(1.0)
+        if consumer is not None:
+            consumer.close()
+
+    def _consumer(self):
+        from kafka import KafkaConsumer
+
+        # Assigned partitions, no group: every process reads every broadcast from the start.
+        return KafkaConsumer(bootstrap_servers=self.settings.bootstrap, enable_auto_commit=False,
+                             isolation_level="read_committed", consumer_timeout_ms=100,
+                             fetch_max_wait_ms=50, value_deserializer=None)
+
+    def _follow(self, consumer) -> None:
+        from kafka import TopicPartition
+
+        pattern = re.compile(self.settings.topic_pattern)
+        assigned: set = set()
+        next_refresh = 0.0
+        idle_since: Optional[float] = None
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_refresh:
+                topics = {t for t in consumer.topics() if pattern.fullmatch(t)}
+                partitions = {TopicPartition(t, p) for t in topics for p in (consumer.partitions_for_topic(t) or ())}
+                new = partitions - assigned
+                if new:
+                    assigned |= new
+                    consumer.assign(sorted(assigned))
+                    consumer.seek_to_beginning(*new)
+                    idle_since = None
+                next_refresh = now + self.settings.topic_refresh_s
+            batch = consumer.poll(timeout_ms=50)
+            for records in batch.values():
+                for record in records:
+                    self._on_broadcast(record.value)
+            if not batch:
+                idle_since = idle_since or now
+            else:
+                idle_since = None
+            if self.settings.tracking_uri and now - self.last_alias_poll >= self.settings.alias_poll_s:
+                self._poll_aliases()
+            if not self._caught_up.is_set() and idle_since is not None and now - idle_since >= 0.5:
+                if self.settings.tracking_uri:
+                    self._poll_aliases()  # the registry's word, not the broadcasts', before ready
+                self._caught_up.set()
+                log.info("caught up: %d models, %d versions", len(self._versions),
+                         sum(len(v) for v in self._versions.values()))
+
+    def _on_broadcast(self, raw: bytes) -> None:
+        try:
+            b = AdapterVersionBroadcast.from_json(raw)
+        except InvalidMessage as e:
+            self._error(f"unreadable broadcast skipped: {e}")
+            return
+        with self._lock:
+            self._versions.setdefault(b.model_id, {})[b.mlflow_version] = b
+            if not self.settings.tracking_uri:  # no registry: the broadcast's aliases rule
+                for alias in b.aliases:
+                    self._wanted.setdefault(b.model_id, {})[alias] = b.mlflow_version
+        self._apply(b.model_id)
+
+    def _poll_aliases(self) -> None:
+        from mlflow import MlflowClient
+
+        self.last_alias_poll = time.monotonic()
+        client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
+        found: dict[str, dict[str, int]] = {}
+        token = None
+        while True:
+            page = client.search_registered_models(max_results=1000, page_token=token)
+            for rm in page:
+                found[rm.name] = {a: int(v) for a, v in (rm.aliases or {}).items() if a in FOLLOWED_ALIASES}
+            token = page.token
+            if not token:
+                break
+        with self._lock:
+            changed = [m for m in set(found) | set(self._wanted) if found.get(m, {}) != self._wanted.get(m, {})]
+            for m in changed:
+                self._wanted[m] = found.get(m, {})
+        for m in changed:
+            self._apply(m)
+
+    def _apply(self, model_id: str) -> None:
+        """Move the applied aliases to where they are wanted, once the version is known."""
+        moves = []
+        with self._lock:
+            applied = self._aliases.setdefault(model_id, {})
+            known = self._versions.get(model_id, {})
+            for alias, version in self._wanted.get(model_id, {}).items():
+                if applied.get(alias) != version and version in known:
+                    applied[alias] = version
+                    moves.append((alias, version))
+            for alias in [a for a in applied if a not in self._wanted.get(model_id, {})]:
+                del applied[alias]  # the alias was deleted in the registry
+        for alias, version in moves:
+            try:
+                self.on_alias(model_id, alias, version)
+            except Exception as e:  # the server reports its own refusals; keep following
+                self._error(f"{model_id}@{alias} -> v{version}: {e}")
+
+    def _error(self, message: str) -> None:
+        log.warning(message)
+        self.errors = (self.errors + [message])[-20:]

@@ -1,0 +1,62 @@
+"""`streamtune serve`: arguments parsed here, plain settings passed down."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from core import defaults
+from core.errors import ConfigError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from connectors.adapter_follower import FollowerSettings
+    from streamtune.api.app import read_token
+
+    from .app import create_app
+    from .served import ServedModels, ServeSettings
+
+    if not 0.0 <= args.candidate_fraction <= 1.0:
+        raise ConfigError("--candidate-fraction must be between 0 and 1")
+    if args.slots < 1 or args.cpu_cache < 1:
+        raise ConfigError("--slots and --cpu-cache must be at least 1")
+    token = read_token(args.token_file)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if token is None:
+        logging.getLogger("streamtune.serve").warning(
+            "no token (STREAMTUNE_API_TOKEN or --token-file): calls that change state are refused")
+    follower = FollowerSettings(bootstrap=args.bootstrap, tracking_uri=None if args.no_registry else args.tracking_uri,
+                                artifact_store=args.artifact_store, topic_pattern=args.broadcast_topics)
+    settings = ServeSettings(base_model=args.base_model, follower=follower, slots=args.slots,
+                             cpu_cache=args.cpu_cache, max_rank=args.max_rank,
+                             candidate_fraction=args.candidate_fraction,
+                             inference_log_topic=None if args.no_inference_log else args.inference_log_topic)
+    served = ServedModels(settings)
+    uvicorn.run(create_app(served, token), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    from streamtune.api.cli import reporting_errors
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible inference that follows adapter versions")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--base-model", default=str(defaults.base_model_dir()))
+    p.add_argument("--artifact-store", default=defaults.artifact_store())
+    p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="MLflow: where aliases point")
+    p.add_argument("--no-registry", action="store_true", help="take aliases from the broadcasts only")
+    p.add_argument("--bootstrap", default=defaults.kafka_bootstrap())
+    p.add_argument("--broadcast-topics", default=defaults.BROADCAST_TOPIC_PATTERN,
+                   help="regex of the adapter-versions topics to follow (default: every job's)")
+    p.add_argument("--slots", type=int, default=8, help="adapters held in device memory")
+    p.add_argument("--cpu-cache", type=int, default=1024, help="more adapters held in CPU memory (LRU)")
+    p.add_argument("--max-rank", type=int, default=16, help="largest LoRA rank served")
+    p.add_argument("--candidate-fraction", type=float, default=0.0,
+                   help="share of traffic for `candidate` when it differs from `champion`")
+    p.add_argument("--inference-log-topic", default=defaults.INFERENCE_LOG_TOPIC)
+    p.add_argument("--no-inference-log", action="store_true")
+    p.add_argument("--token-file", default=None, help="bearer token file (else $STREAMTUNE_API_TOKEN)")
+    p.set_defaults(func=reporting_errors(cmd_serve))

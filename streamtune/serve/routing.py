@@ -1,0 +1,50 @@
+"""Which adapter version answers a request: model names, the champion/candidate split, routes.
+
+A request's `model` names `<model_id>` (routed by the split), `<model_id>@<alias>`,
+`<model_id>/<version>`, or `base` (the base model, no adapter).
+
+>>> parse_model_name("bot"), parse_model_name("bot@candidate"), parse_model_name("bot/7")
+(ModelName(model_id='bot', alias=None, version=None), ModelName(model_id='bot', alias='candidate', version=None), ModelName(model_id='bot', alias=None, version=7))
+
+The split is sticky: the same key always lands in the same arm for a given fraction.
+
+>>> arm_for("bot", "user-42", 0.5) == arm_for("bot", "user-42", 0.5)
+True
+>>> abs(sum(arm_for("bot", f"u{i}", 0.2) == "candidate" for i in range(10_000)) / 10_000 - 0.2) < 0.01
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from core.errors import ConfigError
+from core.messages import is_model_id
+
+_NAME = re.compile(r"^(?P<model>[^@/]+)(?:@(?P<alias>[A-Za-z][A-Za-z0-9_-]*)|/(?P<version>[1-9][0-9]*))?$")
+
+
+@dataclass(frozen=True)
+class ModelName:
+    model_id: str
+    alias: Optional[str] = None
+    version: Optional[int] = None
+
+
+def parse_model_name(value: str) -> ModelName:
+    """`model` of a request, checked; ConfigError (a 400) with what is allowed otherwise."""
+    m = _NAME.fullmatch(value or "")
+    if m is None or not is_model_id(m["model"]):
+        raise ConfigError(f"model {value!r}: expected <model_id>, <model_id>@<alias>, <model_id>/<version> or base")
+    return ModelName(m["model"], m["alias"], int(m["version"]) if m["version"] else None)
+
+
+def arm_for(model_id: str, key: str, candidate_fraction: float) -> str:
+    """`champion` or `candidate` for this request key (a user, else the request id)."""
+    if candidate_fraction <= 0:
+        return "champion"
+    digest = hashlib.sha256(f"{model_id}\x00{key}".encode()).digest()
+    return "candidate" if int.from_bytes(digest[:8], "big") / 2**64 < candidate_fraction else "champion"

@@ -1,0 +1,222 @@
+"""The server's state: acknowledged routes, the adapter pool, refusals, the inference log.
+
+A route (model_id, alias) -> version moves only once the version's files are checked and
+in the pool, under the pool's lock: that move is the swap's acknowledgement. A request
+resolves its route under the same lock and generates before releasing it, so once a move
+is acknowledged no response comes from the version it replaced, and none mixes two.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from connectors.adapter_follower import AdapterFollower, FollowerSettings
+from core.errors import ArtifactIntegrityError, ConfigError, StreamtuneError
+from core.messages import InferenceRecord
+from operators.adapter_pool import BASE, AdapterPool, Generation
+
+from .routing import ModelName, arm_for, parse_model_name
+
+log = logging.getLogger("streamtune.serve")
+
+
+class ModelNotFound(StreamtuneError):
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    base_model: str
+    follower: FollowerSettings
+    slots: int = 8
+    cpu_cache: int = 1024
+    max_rank: int = 16
+    candidate_fraction: float = 0.0
+    inference_log_topic: Optional[str] = None
+    max_tokens_limit: int = 256
+
+
+@dataclass
+class Answer:
+    generation: Generation
+    request_id: str
+    model_id: str
+    version: Optional[int]
+    alias: Optional[str]
+    arm: str
+    sha256: Optional[str]
+    latency_ms: float
+    audit_trace: list = field(default_factory=list)
+
+
+class ServedModels:
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.pool = AdapterPool(settings.base_model, slots=settings.slots, cpu_cache=settings.cpu_cache,
+                                max_rank=settings.max_rank)
+        self.routes: dict[str, dict[str, int]] = {}          # acknowledged: model_id -> alias -> version
+        self.acknowledged_at: dict[tuple[str, str], float] = {}
+        self.refused: dict[tuple[str, int], str] = {}
+        self.fractions: dict[str, float] = {}
+        self._fetching = threading.Lock()
+        self.registry = CollectorRegistry()
+        self.requests = Counter("streamtune_serve_requests", "Requests by model, arm and outcome",
+                                ["model_id", "arm", "status"], registry=self.registry)
+        self.latency = Histogram("streamtune_serve_request_seconds", "Request latency", ["arm"],
+                                 buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10), registry=self.registry)
+        self.swaps = Counter("streamtune_serve_swaps", "Acknowledged alias moves (swaps)", ["alias"],
+                             registry=self.registry)
+        self.refusals = Counter("streamtune_serve_refused_versions", "Versions refused (integrity)",
+                                registry=self.registry)
+        self.swap_seconds = Gauge("streamtune_serve_last_swap_seconds", "Last in-memory adapter copy",
+                                  registry=self.registry)
+        self.log_producer = None
+        if settings.inference_log_topic:
+            from kafka import KafkaProducer
+
+            from connectors.kafka import create_topic
+            create_topic(settings.follower.bootstrap, settings.inference_log_topic)
+            self.log_producer = KafkaProducer(bootstrap_servers=settings.follower.bootstrap, acks=1, linger_ms=5)
+        self.follower = AdapterFollower(settings.follower, on_alias=self.on_alias)
+
+    def start(self) -> "ServedModels":
+        self.follower.start()
+        return self
+
+    def close(self) -> None:
+        self.follower.stop()
+        if self.log_producer is not None:
+            self.log_producer.flush(5)
+            self.log_producer.close(5)
+
+    # -- following ----------------------------------------------------------------------
+    def _ensure_loaded(self, model_id: str, version: int) -> str:
+        """The version's pool key, its files fetched, checked and parsed if need be."""
+        key = f"{model_id}/{version}"
+        if self.pool.has(key):
+            return key
+        reason = self.refused.get((model_id, version))
+        if reason:
+            raise ArtifactIntegrityError(reason)
+        broadcast = self.follower.version(model_id, version)
+        if broadcast is None:
+            raise ModelNotFound(f"{model_id} has no version {version} known to this server")
+        try:
+            self.pool.put(key, self.follower.fetch(broadcast))
+        except ArtifactIntegrityError as e:
+            self.refused[(model_id, version)] = str(e)
+            self.refusals.inc()
+            log.error("refused %s v%d: %s", model_id, version, e)
+            raise
+        return key
+
+    def on_alias(self, model_id: str, alias: str, version: int) -> None:
+        """The follower saw `alias` move: load the version, then acknowledge the move."""
+        key = self._ensure_loaded(model_id, version)  # raises: the route stays where it was
+        with self.pool.lock:
+            self.routes.setdefault(model_id, {})[alias] = version
+            self.acknowledged_at[(model_id, alias)] = time.time()
+            if alias == "champion":
+                self.pool.activate(key)  # hot before the first request that needs it
+                self.swap_seconds.set(self.pool.last_swap_seconds)
+        self.swaps.labels(alias).inc()
+        log.info("%s@%s -> v%d acknowledged", model_id, alias, version)
+
+    # -- requests -----------------------------------------------------------------------
+    def fraction(self, model_id: str) -> float:
+        return self.fractions.get(model_id, self.settings.candidate_fraction)
+
+    def _route(self, name: ModelName, key: str) -> tuple[Optional[int], Optional[str], str]:
+        """(version, alias, arm) for a request, from the acknowledged routes (hold pool.lock)."""
+        if name.model_id == BASE:
+            return None, None, "base"
+        if name.version is not None:
+            return name.version, None, "pinned"
+        routes = self.routes.get(name.model_id, {})
+        if name.alias is not None:
+            if name.alias not in routes:
+                raise ModelNotFound(f"{name.model_id} has no alias {name.alias!r} on this server")
+            return routes[name.alias], name.alias, name.alias if name.alias in ("champion", "candidate") else "pinned"
+        if "champion" not in routes:
+            raise ModelNotFound(f"{name.model_id} has no champion version yet (known models: GET /v1/models)")
+        arm = "champion"
+        if "candidate" in routes and routes["candidate"] != routes["champion"]:
+            arm = arm_for(name.model_id, key, self.fraction(name.model_id))
+        return routes[arm], arm, arm
+
+    def complete(self, model: str, prompt: str, max_tokens: int, user: Optional[str] = None) -> Answer:
+        started = time.perf_counter()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        name = parse_model_name(model)
+        if not 1 <= max_tokens <= self.settings.max_tokens_limit:
+            raise ConfigError(f"max_tokens must be between 1 and {self.settings.max_tokens_limit}")
+        sticky = user or request_id
+        arm = "base"
+        try:
+            for _ in range(5):  # a route may move between the fetch and the lock: look again
+                with self.pool.lock:
+                    version, alias, arm = self._route(name, sticky)
+                    key = BASE if version is None else f"{name.model_id}/{version}"
+                    if self.pool.has(key):
+                        generation = self.pool.generate(key, prompt, max_tokens)
+                        break
+                self._ensure_loaded(name.model_id, version)  # cold: fetch outside the lock
+            else:
+                raise ModelNotFound(f"{model}: its route kept moving; try again")
+        except Exception as e:
+            self.requests.labels(name.model_id, arm, type(e).__name__).inc()
+            raise
+        latency = time.perf_counter() - started
+        self.requests.labels(name.model_id, arm, "ok").inc()
+        self.latency.labels(arm).observe(latency)
+        broadcast = self.follower.version(name.model_id, version) if version is not None else None
+        answer = Answer(generation, request_id, name.model_id, version, alias, arm,
+                        broadcast.sha256 if broadcast else None, round(latency * 1000, 3))
+        answer.audit_trace = [
+            {"stage": "routing", "arm": arm, "alias": alias, "candidate_fraction": self.fraction(name.model_id),
+             "sticky_key": "user" if user else "request_id"},
+            {"stage": "adapter", "model_id": name.model_id, "version": version,
+             "version_id": broadcast.version_id if broadcast else None,
+             "sha256": broadcast.sha256 if broadcast else None},
+            {"stage": "base_model", "path": self.pool.base_dir, "version": self.pool.base_fingerprint},
+        ]
+        self._log(answer, prompt, user)
+        return answer
+
+    def _log(self, answer: Answer, prompt: str, user: Optional[str]) -> None:
+        if self.log_producer is None:
+            return
+        record = InferenceRecord(request_id=answer.request_id, model_id=answer.model_id, version=answer.version,
+                                 alias=answer.alias, arm=answer.arm, user=user, prompt=prompt,
+                                 completion=answer.generation.text, mean_logprob=answer.generation.mean_logprob,
+                                 latency_ms=answer.latency_ms, ts=int(time.time() * 1000))
+        try:
+            self.log_producer.send(self.settings.inference_log_topic, key=answer.model_id.encode(),
+                                   value=record.to_json().encode())
+        except Exception as e:  # the answer is served either way; the gap is counted
+            self.requests.labels(answer.model_id, answer.arm, "log_failed").inc()
+            log.warning("inference log: %s", e)
+
+    # -- what is served -----------------------------------------------------------------
+    def describe(self) -> list[dict]:
+        known = self.follower.models()
+        hot = set(self.pool.hot())
+        with self.pool.lock:
+            routes = {m: dict(r) for m, r in self.routes.items()}
+        out = []
+        for model_id in sorted(set(known) | set(routes)):
+            refused = [{"version": v, "reason": r} for (m, v), r in sorted(self.refused.items()) if m == model_id]
+            out.append({"id": model_id, "object": "model", "owned_by": "streamtune",
+                        "aliases": routes.get(model_id, {}),
+                        "registry_aliases": known.get(model_id, {}).get("aliases", {}),
+                        "versions": known.get(model_id, {}).get("versions", []),
+                        "hot": sorted(int(k.split("/")[1]) for k in hot if k.split("/")[0] == model_id),
+                        "candidate_fraction": self.fraction(model_id), "refused": refused})
+        return out

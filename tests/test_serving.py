@@ -1,0 +1,246 @@
+"""`streamtune serve` against the real stack: the job trains and registers versions, servers
+follow them over the broadcast topic and MLflow, clients call over HTTP.
+
+Every served answer is checked against plain PEFT: the version's artifact, read from the
+store by this test and loaded with `PeftModel.from_pretrained`, must give the same text and
+mean log-probability, so a half-swapped or mixed adapter cannot pass.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import requests
+
+from connectors.artifact_store import ArtifactStore
+from core.messages import AdapterVersionBroadcast
+from streamtune.feedback import digit_samples, send_config, send_samples
+from streamtune.local_job import LocalJob, kill_group, spawn_logged
+from streamtune.testing import free_port, job_args, job_topics, spec, wait_for, wait_for_records
+from streamtune.tinymodel import digit_pairs
+
+pytestmark = pytest.mark.serving
+TOKEN = "serving-test-token"
+VERSIONS, PER_WINDOW, WINDOW_MS = 20, 8, 2000
+PROMPTS = ["x=1234;y=", "x=5071;y=", "x=9999;y="]
+
+
+class Server:
+    """`streamtune serve` as a child process on a free port."""
+
+    def __init__(self, stack_config, base_model, topic: str, store: Path, log_file: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = spawn_logged(
+            [sys.executable, "-m", "streamtune.cli", "serve", "--port", str(self.port), "--base-model",
+             str(base_model), "--artifact-store", str(store), "--bootstrap", stack_config.kafka_bootstrap,
+             "--tracking-uri", stack_config.mlflow_uri, "--broadcast-topics", re.escape(topic),
+             "--inference-log-topic", f"{topic}.inference-log", "--slots", "4"],
+            log_file, extra_env={"STREAMTUNE_API_TOKEN": TOKEN})
+        self.log_file = log_file
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/readyz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def model(self, model_id: str) -> dict:
+        data = requests.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+        return next((m for m in data if m["id"] == model_id), {"aliases": {}, "refused": []})
+
+    def complete(self, model: str, prompt: str, user: str | None = None) -> requests.Response:
+        return requests.post(f"{self.url}/v1/completions", timeout=60,
+                             json={"model": model, "prompt": prompt, "max_tokens": 6, "user": user})
+
+    def stop(self) -> None:
+        kill_group(self.proc)
+
+
+class Reference:
+    """Plain PEFT answers per (version, prompt), from the artifact store."""
+
+    def __init__(self, base_model, store: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.base_model, self.store = str(base_model), ArtifactStore(str(store))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_model, local_files_only=True)
+        self.base = AutoModelForCausalLM.from_pretrained(self.base_model, local_files_only=True).eval()
+        self.cache: dict = {}
+
+    def answer(self, broadcast: AdapterVersionBroadcast, prompt: str) -> tuple[str, float]:
+        import torch
+        from peft import PeftModel
+
+        key = (broadcast.mlflow_version, prompt)
+        if key not in self.cache:
+            with tempfile.TemporaryDirectory() as tmp:
+                for name, data in self.store.get(broadcast.artifact_uri, broadcast.sha256).items():
+                    Path(tmp, name).write_bytes(data)
+                model = PeftModel.from_pretrained(self.base, tmp).eval()
+                ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+                with torch.no_grad():
+                    out = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                                         return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id)
+                chosen = out.sequences[0, ids.shape[1]:]
+                logprobs = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, chosen)]
+                self.base = model.unload()  # the base without the adapter, for the next version
+                self.cache[key] = (self.tokenizer.decode(chosen, skip_special_tokens=True),
+                                   sum(logprobs) / len(logprobs))
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def trained(stack_config, base_model, tmp_path_factory):
+    """A job training 20 versions of one model while server A answers a steady load."""
+    tmp = tmp_path_factory.mktemp("serving")
+    unique = f"{time.time_ns() % 10**10:x}"
+    boot = stack_config.kafka_bootstrap
+    topics = job_topics(boot, f"test.serve-{unique}")
+    model_id, store = f"serve-{unique}", tmp / "adapters"
+    store.mkdir()
+    send_config(boot, topics["configs"], spec(model_id, topics, min_samples=PER_WINDOW, window_seconds=2), 0)
+    server = Server(stack_config, base_model, topics["adapter-versions"], store, tmp / "serve-a.log")
+    job = LocalJob(job_args(topics, base_model, store, "--bootstrap", boot, "--checkpoint-interval-ms", "1000",
+                            "--job-name", f"serve-{unique}"), tmp / "checkpoints", tmp / "job.log")
+    load: list[dict] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client(n: int) -> None:  # ack before the request, then the request, until told to stop
+        i = 0
+        while not stop.is_set():
+            acked = server.model(model_id)["aliases"].get("champion")
+            if acked is None:
+                stop.wait(0.05)
+                continue
+            prompt = PROMPTS[i % len(PROMPTS)]
+            r = server.complete(model_id, prompt, user=f"user-{n}")
+            if r.status_code != 200:
+                failures.append(f"{r.status_code}: {r.text[:300]}")
+            else:
+                body = r.json()
+                load.append({"acked": acked, "version": body["streamtune"]["version"], "prompt": prompt,
+                             "text": body["choices"][0]["text"], "mean_logprob": body["streamtune"]["mean_logprob"],
+                             "fingerprint": body["system_fingerprint"]})
+            i += 1
+
+    api = None
+    try:
+        wait_for(server.ready, 120, "server A to catch up")
+        job.start()
+        t0 = 1_770_000_000_000
+        samples = digit_samples(model_id, digit_pairs(VERSIONS * PER_WINDOW, seed=3), t0, WINDOW_MS / PER_WINDOW)
+        closer = digit_samples(model_id, digit_pairs(1, seed=4), t0 + (VERSIONS + 2) * WINDOW_MS, 1, "closer")
+        # The first window alone, so the load starts on version 1 and runs through the other 19.
+        send_samples(boot, topics["feedback"], samples[:PER_WINDOW + 1])
+        wait_for(lambda: server.model(model_id)["aliases"].get("champion"), 180, "the first champion on server A")
+        clients = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(4)]
+        for c in clients:
+            c.start()
+        for w in range(1, VERSIONS):  # a window every second of wall time, under load
+            send_samples(boot, topics["feedback"], samples[w * PER_WINDOW + 1:(w + 1) * PER_WINDOW + 1])
+            time.sleep(1.0)
+        send_samples(boot, topics["feedback"], closer)
+        broadcasts = wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, VERSIONS, 240)
+        assert len({b.mlflow_version for b in broadcasts}) >= VERSIONS, (tmp / "job.log").read_text()[-3000:]
+        from mlflow import MlflowClient
+        champion = int(MlflowClient(stack_config.mlflow_uri, stack_config.mlflow_uri)
+                       .get_registered_model(model_id).aliases["champion"])
+        wait_for(lambda: server.model(model_id)["aliases"].get("champion") == champion, 30,
+                 "server A to acknowledge the last champion")
+        time.sleep(1.0)  # a second of load on the final version
+        stop.set()
+        for c in clients:
+            c.join(60)
+        api_port = free_port()
+        api = spawn_logged([sys.executable, "-m", "streamtune.cli", "api", "--port", str(api_port)], tmp / "api.log",
+                           extra_env={"STREAMTUNE_API_TOKEN": TOKEN})
+        yield {"server": server, "load": load, "failures": failures, "broadcasts": broadcasts, "model_id": model_id,
+               "store": store, "topics": topics, "tmp": tmp, "api": f"http://127.0.0.1:{api_port}"}
+    finally:
+        stop.set()
+        job.kill()
+        server.stop()
+        if api is not None:
+            kill_group(api)
+
+
+def test_steady_load_through_twenty_versions_sees_no_failure_no_stale_and_no_mixed_answer(trained, base_model):
+    load, by_version = trained["load"], {b.mlflow_version: b for b in trained["broadcasts"]}
+    assert not trained["failures"], trained["failures"][:5]
+    served = Counter(r["version"] for r in load)
+    print(f"{len(load)} answers; versions served: {sorted(served.items())}")
+    assert len(load) >= 200 and len(served) >= 5, served
+    stale = [r for r in load if r["version"] < r["acked"]]
+    assert not stale, f"answered by a version older than the one acknowledged before the request: {stale[:3]}"
+    assert all(r["fingerprint"] == f"{trained['model_id']}/{r['version']}" for r in load)
+    reference = Reference(base_model, trained["store"])
+    for r in load:
+        text, mean_logprob = reference.answer(by_version[r["version"]], r["prompt"])
+        assert r["text"] == text and abs(r["mean_logprob"] - mean_logprob) < 1e-4, \
+            f"v{r['version']} {r['prompt']!r}: served {r['text']!r} {r['mean_logprob']}, PEFT says {text!r} {mean_logprob}"
+
+
+def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trained, stack_config, base_model):
+    from mlflow import MlflowClient
+
+    model_id, server_a = trained["model_id"], trained["server"]
+    client = MlflowClient(stack_config.mlflow_uri, stack_config.mlflow_uri)
+    champion = int(client.get_registered_model(model_id).aliases["champion"])
+    by_version = {b.mlflow_version: b for b in trained["broadcasts"]}
+    # Tamper with an old version's artifact before server B starts (A checked it long ago).
+    tampered = min(v for v in by_version if v != champion)
+    weights = Path(by_version[tampered].artifact_uri.removeprefix("file://"), "adapter_model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")
+
+    # A server started after the versions exist serves the current champion.
+    server_b = Server(stack_config, base_model, trained["topics"]["adapter-versions"], trained["store"],
+                      trained["tmp"] / "serve-b.log")
+    try:
+        wait_for(server_b.ready, 120, "server B to catch up")
+        assert server_b.model(model_id)["aliases"]["champion"] == champion
+        r = server_b.complete(model_id, PROMPTS[0])
+        assert r.status_code == 200 and r.json()["streamtune"]["version"] == champion, r.text
+
+        # Champion moved back through the control plane: both servers follow within 1 s.
+        wait_for(lambda: requests.get(f"{trained['api']}/openapi.json", timeout=2).ok, 60, "the API to listen")
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        previous = max(v for v in by_version if v < champion and v != tampered)
+        moved = requests.post(f"{trained['api']}/v1/models/{model_id}/aliases", headers=auth, timeout=30,
+                              json={"alias": "champion", "version": previous})
+        assert moved.status_code == 200, moved.text
+        moved_at = time.monotonic()
+        followed = {}
+        while len(followed) < 2 and time.monotonic() - moved_at < 10:
+            for name, s in (("A", server_a), ("B", server_b)):
+                if name not in followed and s.model(model_id)["aliases"].get("champion") == previous:
+                    followed[name] = time.monotonic() - moved_at
+        print(f"champion v{champion} -> v{previous} followed after {followed}")
+        assert set(followed) == {"A", "B"} and max(followed.values()) <= 1.0, followed
+        for s in (server_a, server_b):
+            assert s.complete(model_id, PROMPTS[1]).json()["streamtune"]["version"] == previous
+
+        # Champion moved to the tampered version: B refuses it, says why, serves `previous`.
+        moved = requests.post(f"{trained['api']}/v1/models/{model_id}/aliases", headers=auth, timeout=30,
+                              json={"alias": "champion", "version": tampered})
+        assert moved.status_code == 200, moved.text
+        wait_for(lambda: server_b.model(model_id)["refused"], 10, "server B to refuse the tampered version")
+        refused = server_b.model(model_id)["refused"]
+        assert refused[0]["version"] == tampered and "sha256 mismatch" in refused[0]["reason"], refused
+        assert server_b.model(model_id)["aliases"]["champion"] == previous
+        r = server_b.complete(model_id, PROMPTS[2])
+        assert r.status_code == 200 and r.json()["streamtune"]["version"] == previous, r.text
+        pinned = server_b.complete(f"{model_id}/{tampered}", PROMPTS[2])
+        assert pinned.status_code == 409 and "sha256" in pinned.text, pinned.text
+        metrics = requests.get(f"{server_b.url}/metrics", timeout=10).text
+        assert re.search(r"^streamtune_serve_refused_versions_total 1\.0$", metrics, re.M), metrics[:2000]
+    finally:
+        server_b.stop()
