@@ -6,10 +6,12 @@ Two sources, each for what it is the truth of:
   restarts catches up on all of them before it calls itself ready;
 - MLflow's registered-model aliases, polled every `alias_poll_s` (0.25 s): where `champion`
   and `candidate` point, whoever moved them (the job's registration, the control plane, or a
-  person in the MLflow UI).
+  person in the MLflow UI). A move announced on the alias-moves topic (core.messages.AliasMove,
+  sent by the control plane and the rollback guard) makes it read that model at once.
 
 The follower calls `on_alias(model_id, alias, version)` when an alias moves to a version it
-knows (or, later, when the version's broadcast arrives), and loads artifacts on request with
+knows (or, later, when the version's broadcast arrives), with version None when the alias
+is deleted, and loads artifacts on request with
 `fetch`, checking their sha256 (ArtifactIntegrityError otherwise). It never serves anything
 itself: the server (streamtune/serve) and the Flink inference job embed it.
 
@@ -30,7 +32,7 @@ from typing import Callable, Optional
 
 from core import defaults
 from core.errors import InvalidMessage
-from core.messages import AdapterVersionBroadcast
+from core.messages import AdapterVersionBroadcast, AliasMove
 
 log = logging.getLogger("streamtune.follower")
 
@@ -43,13 +45,14 @@ class FollowerSettings:
     tracking_uri: Optional[str]                 # None: aliases from the broadcasts only
     artifact_store: str
     topic_pattern: str = defaults.BROADCAST_TOPIC_PATTERN
+    alias_topic: Optional[str] = defaults.ALIAS_MOVES_TOPIC   # hints that an alias moved
     alias_poll_s: float = 0.25
     topic_refresh_s: float = 2.0
 
 
 class AdapterFollower:
     def __init__(self, settings: FollowerSettings,
-                 on_alias: Callable[[str, str, int], None] = lambda model_id, alias, version: None):
+                 on_alias: Callable[[str, str, Optional[int]], None] = lambda model_id, alias, version: None):
         from connectors.artifact_store import ArtifactStore
 
         self.settings = settings
@@ -132,6 +135,9 @@ class AdapterFollower:
     def _follow(self, consumer) -> None:
         from kafka import TopicPartition
 
+        if self.settings.alias_topic:  # exists before the first move, so no move waits for a refresh
+            from connectors.kafka import create_topic
+            create_topic(self.settings.bootstrap, self.settings.alias_topic)
         pattern = re.compile(self.settings.topic_pattern)
         assigned: set = set()
         next_refresh = 0.0
@@ -139,7 +145,7 @@ class AdapterFollower:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_refresh:
-                topics = {t for t in consumer.topics() if pattern.fullmatch(t)}
+                topics = {t for t in consumer.topics() if pattern.fullmatch(t) or t == self.settings.alias_topic}
                 partitions = {TopicPartition(t, p) for t in topics for p in (consumer.partitions_for_topic(t) or ())}
                 new = partitions - assigned
                 if new:
@@ -149,9 +155,12 @@ class AdapterFollower:
                     idle_since = None
                 next_refresh = now + self.settings.topic_refresh_s
             batch = consumer.poll(timeout_ms=50)
-            for records in batch.values():
+            for tp, records in batch.items():
                 for record in records:
-                    self._on_broadcast(record.value)
+                    if tp.topic == self.settings.alias_topic:
+                        self._on_alias_move(record.value)
+                    else:
+                        self._on_broadcast(record.value)
             if not batch:
                 idle_since = idle_since or now
             else:
@@ -177,6 +186,29 @@ class AdapterFollower:
                 for alias in b.aliases:
                     self._wanted.setdefault(b.model_id, {})[alias] = b.mlflow_version
         self._apply(b.model_id)
+
+    def _on_alias_move(self, raw: bytes) -> None:
+        try:
+            move = AliasMove.from_json(raw)
+        except InvalidMessage as e:
+            self._error(f"unreadable alias move skipped: {e}")
+            return
+        if self.settings.tracking_uri:
+            if move.model_id not in self._versions or not self._caught_up.is_set():
+                return  # not a model served here, or history: the poll before ready covers it
+            from mlflow import MlflowClient
+            client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
+            aliases = client.get_registered_model(move.model_id).aliases or {}
+            wanted = {a: int(v) for a, v in aliases.items() if a in FOLLOWED_ALIASES}
+        else:  # no registry: the announced move itself
+            wanted = dict(self._wanted.get(move.model_id, {}))
+            if move.version is None:
+                wanted.pop(move.alias, None)
+            else:
+                wanted[move.alias] = move.version
+        with self._lock:
+            self._wanted[move.model_id] = wanted
+        self._apply(move.model_id)
 
     def _poll_aliases(self) -> None:
         from mlflow import MlflowClient
@@ -211,11 +243,12 @@ class AdapterFollower:
                     moves.append((alias, version))
             for alias in [a for a in applied if a not in self._wanted.get(model_id, {})]:
                 del applied[alias]  # the alias was deleted in the registry
+                moves.append((alias, None))
         for alias, version in moves:
             try:
                 self.on_alias(model_id, alias, version)
             except Exception as e:  # the server reports its own refusals; keep following
-                self._error(f"{model_id}@{alias} -> v{version}: {e}")
+                self._error(f"{model_id}@{alias} -> {version}: {e}")
 
     def _error(self, message: str) -> None:
         log.warning(message)

@@ -35,14 +35,16 @@ PROMPTS = ["x=1234;y=", "x=5071;y=", "x=9999;y="]
 class Server:
     """`streamtune serve` as a child process on a free port."""
 
-    def __init__(self, stack_config, base_model, topic: str, store: Path, log_file: Path):
+    def __init__(self, stack_config, base_model, topic: str, store: Path, log_file: Path, feedback_topic: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = spawn_logged(
             [sys.executable, "-m", "streamtune.cli", "serve", "--port", str(self.port), "--base-model",
              str(base_model), "--artifact-store", str(store), "--bootstrap", stack_config.kafka_bootstrap,
              "--tracking-uri", stack_config.mlflow_uri, "--broadcast-topics", re.escape(topic),
-             "--inference-log-topic", f"{topic}.inference-log", "--slots", "4"],
+             "--inference-log-topic", f"{topic}.inference-log", "--slots", "4",
+             "--feedback-topics", re.escape(feedback_topic), "--promotion-log", str(log_file.with_suffix(".promotions")),
+             "--rollback-min-events", "30"],
             log_file, extra_env={"STREAMTUNE_API_TOKEN": TOKEN})
         self.log_file = log_file
 
@@ -107,7 +109,8 @@ def trained(stack_config, base_model, tmp_path_factory):
     model_id, store = f"serve-{unique}", tmp / "adapters"
     store.mkdir()
     send_config(boot, topics["configs"], spec(model_id, topics, min_samples=PER_WINDOW, window_seconds=2), 0)
-    server = Server(stack_config, base_model, topics["adapter-versions"], store, tmp / "serve-a.log")
+    server = Server(stack_config, base_model, topics["adapter-versions"], store, tmp / "serve-a.log",
+                    topics["feedback"])
     job = LocalJob(job_args(topics, base_model, store, "--bootstrap", boot, "--checkpoint-interval-ms", "1000",
                             "--job-name", f"serve-{unique}"), tmp / "checkpoints", tmp / "job.log")
     load: list[dict] = []
@@ -160,6 +163,7 @@ def trained(stack_config, base_model, tmp_path_factory):
         stop.set()
         for c in clients:
             c.join(60)
+        job.kill()  # no more training: later tests move aliases and send feedback themselves
         api_port = free_port()
         api = spawn_logged([sys.executable, "-m", "streamtune.cli", "api", "--port", str(api_port)], tmp / "api.log",
                            extra_env={"STREAMTUNE_API_TOKEN": TOKEN})
@@ -203,7 +207,7 @@ def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trai
 
     # A server started after the versions exist serves the current champion.
     server_b = Server(stack_config, base_model, trained["topics"]["adapter-versions"], trained["store"],
-                      trained["tmp"] / "serve-b.log")
+                      trained["tmp"] / "serve-b.log", trained["topics"]["feedback"])
     try:
         wait_for(server_b.ready, 120, "server B to catch up")
         assert server_b.model(model_id)["aliases"]["champion"] == champion
@@ -244,3 +248,81 @@ def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trai
         assert re.search(r"^streamtune_serve_refused_versions_total 1\.0$", metrics, re.M), metrics[:2000]
     finally:
         server_b.stop()
+
+
+def test_worse_candidate_is_taken_out_and_a_regressing_champion_rolled_back(trained, stack_config):
+    """Feedback citing served responses: the candidate's answers get corrected, the champion's
+    accepted; the guard takes the candidate out of traffic. Then a promoted version regresses
+    and `champion` goes back to its predecessor. Each decision carries its numbers."""
+    from mlflow import MlflowClient
+
+    from core.messages import FeedbackSample
+
+    model_id, server, topics = trained["model_id"], trained["server"], trained["topics"]
+    client = MlflowClient(stack_config.mlflow_uri, stack_config.mlflow_uri)
+    versions = sorted({b.mlflow_version for b in trained["broadcasts"]})
+    good, worse, regressing = versions[-1], versions[-2], versions[-3]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for alias, version in (("champion", good), ("candidate", worse)):
+        r = requests.post(f"{trained['api']}/v1/models/{model_id}/aliases", headers=auth, timeout=30,
+                          json={"alias": alias, "version": version})
+        assert r.status_code == 200, r.text
+    wait_for(lambda: server.model(model_id)["aliases"] == {"champion": good, "candidate": worse}, 10,
+             "server A to route champion and candidate")
+    r = requests.put(f"{server.url}/v1/models/{model_id}/split", json={"candidate_fraction": 0.5}, timeout=10)
+    assert r.status_code == 401, "changing the split needs the token"
+    r = requests.put(f"{server.url}/v1/models/{model_id}/split", json={"candidate_fraction": 0.5}, timeout=10,
+                     headers=auth)
+    assert r.status_code == 200, r.text
+
+    from kafka import KafkaProducer
+    producer = KafkaProducer(bootstrap_servers=stack_config.kafka_bootstrap, acks="all")
+    sent = Counter()
+
+    def judge(users: range, verdict) -> list[dict]:
+        """One request per user, and feedback citing each response: `verdict(arm, version)` -> label."""
+        answers = []
+        for u in users:
+            body = server.complete(model_id, PROMPTS[u % 3], user=f"user-{u}").json()
+            label = verdict(body["streamtune"]["arm"], body["streamtune"]["version"])
+            sample = FeedbackSample(model_id=model_id, sample_id=f"fb-{u}", prompt=PROMPTS[u % 3],
+                                    completion="2345", label=label, ts=int(time.time() * 1000),
+                                    request_id=body["id"])
+            producer.send(topics["feedback"], key=model_id.encode(), value=sample.to_json().encode(),
+                          timestamp_ms=sample.ts)
+            sent[(body["streamtune"]["arm"], label)] += 1
+            answers.append(body["streamtune"])
+        producer.flush()
+        return answers
+
+    def guard_decision(kind: str):
+        decisions = requests.get(f"{server.url}/v1/guard", timeout=10).json()["decisions"]
+        return next((d for d in decisions if d["decision"] == kind), None)
+
+    answers = judge(range(0, 160), lambda arm, v: "corrected" if arm == "candidate" else "accepted")
+    arms = Counter(a["arm"] for a in answers)
+    assert arms["candidate"] >= 30 and arms["champion"] >= 30, arms
+    decision = wait_for(lambda: guard_decision("candidate_removed"), 30, "the guard to take the candidate out")
+    print(f"feedback sent {dict(sent)}; decision {decision}")
+    assert decision["version"] == worse and decision["candidate_acceptance"] < decision["champion_acceptance"] - 0.1
+    assert decision["candidate_events"] >= 30 and decision["champion_events"] >= 30
+    assert "candidate" not in client.get_registered_model(model_id).aliases
+    wait_for(lambda: "candidate" not in server.model(model_id)["aliases"], 5, "server A to drop the candidate route")
+    after = [server.complete(model_id, PROMPTS[0], user=f"user-{u}").json()["streamtune"] for u in range(40)]
+    assert {(a["arm"], a["version"]) for a in after} == {("champion", good)}, "the candidate still gets traffic"
+    tag = client.get_model_version(model_id, str(worse)).tags["streamtune.rollback"]
+    assert '"candidate_removed"' in tag and '"candidate_acceptance"' in tag, tag
+
+    # A promotion that regresses: champion goes back to `good`, the decision says why.
+    r = requests.post(f"{trained['api']}/v1/models/{model_id}/aliases", headers=auth, timeout=30,
+                      json={"alias": "champion", "version": regressing})
+    assert r.status_code == 200, r.text
+    wait_for(lambda: server.model(model_id)["aliases"].get("champion") == regressing, 5, "the promotion")
+    judge(range(1000, 1060), lambda arm, v: "rejected" if v == regressing else "accepted")
+    decision = wait_for(lambda: guard_decision("champion_rolled_back"), 30, "the guard to roll the champion back")
+    assert decision["version"] == regressing and decision["previous"] == good, decision
+    assert int(client.get_registered_model(model_id).aliases["champion"]) == good
+    wait_for(lambda: server.model(model_id)["aliases"].get("champion") == good, 5, "server A to follow the rollback")
+    promotions = Path(str(server.log_file.with_suffix(".promotions"))).read_text()
+    assert "champion_rolled_back" in promotions and "candidate_removed" in promotions, promotions
+    producer.close()

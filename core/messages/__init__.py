@@ -10,10 +10,12 @@
 | AdapterVersionBroadcast  | streamtune.adapter-versions  | the registrar                   | broadcast     |
 | ChangeEnvelope           | streamtune.cdc.<name>        | `streamtune cdc`, Debezium      | change        |
 | InferenceRecord          | streamtune.inference-log     | `streamtune serve`              | inference     |
+| AliasMove                | streamtune.alias-moves       | API, rollback guard             | alias_move    |
 
 `sql/ddl.sql` declares the same fields as Flink SQL tables (tests/test_contracts.py checks it).
 """
 
+from core.messages.alias_move import AliasMove
 from core.messages.base import MODEL_ID, Message, decode, describe_error, is_model_id
 from core.messages.broadcast import AdapterVersionBroadcast
 from core.messages.change import ChangeEnvelope, ChangeOrigin, ChangeSource, Retraction
@@ -24,7 +26,7 @@ from core.messages.spec import AdapterConfig, FinetuneSpec, TrainingConfig, Trig
 from core.messages.trigger import RetrainTrigger
 from core.messages.version import Lineage, OffsetRange, VersionMetrics, VersionRecord
 
-__all__ = ["MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
+__all__ = ["AliasMove", "MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
            "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample", "InferenceRecord",
            "AdapterConfig", "FinetuneSpec", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
            "OffsetRange", "VersionMetrics", "VersionRecord"]

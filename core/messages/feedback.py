@@ -12,6 +12,7 @@ The Kafka record timestamp is the event time and equals `ts`; the key is the mod
 | weight       | number in [0, 10], default 1           | no       | scales the sample's loss           |
 | ts           | integer, epoch milliseconds            | yes      |                                    |
 | origin       | object (ChangeOrigin)                  | no       | set by CDC: the row and change     |
+| request_id   | string                                 | no       | the served response it judges      |
 
 >>> s = FeedbackSample(model_id="bot", sample_id="s1", prompt="x=1;y=", completion="2",
 ...                    label="rejected", ts=0)
@@ -38,6 +39,7 @@ class FeedbackSample(Message):
     weight: float = Field(default=1.0, ge=0.0, le=10.0)
     ts: int = Field(ge=0)
     origin: Optional[ChangeOrigin] = None
+    request_id: Optional[str] = Field(default=None, max_length=256)  # cites a `streamtune serve` response
 
     @property
     def effective_weight(self) -> float:

@@ -159,6 +159,12 @@ class StackGateway:
 
     # ------------------------------------------------------------ Kafka
 
+    def ensure_topic(self, topic: str) -> None:
+        try:
+            create_topic(self.stack.kafka_bootstrap, topic)
+        except Exception as e:
+            raise StackUnavailable(f"creating Kafka topic {topic} failed: {type(e).__name__}: {e}")
+
     def produce(self, topic: str, records: Iterable[tuple[str, Message, int]]) -> None:
         """Send (key, message, timestamp ms) records; returns once Kafka acknowledged them all."""
         producer = self._kafka_producer()

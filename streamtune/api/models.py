@@ -136,6 +136,8 @@ class _Event(BaseModel):
     event_id: str = Field(min_length=1, max_length=256, description="becomes the sample_id")
     prompt: str = Field(max_length=65536)
     ts: int = Field(ge=0, le=2**53, description="event time, epoch milliseconds")
+    request_id: Optional[str] = Field(default=None, max_length=256,
+                                      description="the `id` of the served response this event judges")
 
 
 class ClickEvent(_Event):
@@ -173,4 +175,5 @@ def to_sample(event: Union[ClickEvent, DwellEvent, CorrectionEvent]) -> Feedback
     else:
         completion, label, weight = event.completion, "accepted", 1.0
     return FeedbackSample(model_id=event.model_id, sample_id=event.event_id, prompt=event.prompt,
-                          completion=completion, label=label, weight=weight, ts=event.ts)
+                          completion=completion, label=label, weight=weight, ts=event.ts,
+                          request_id=event.request_id)

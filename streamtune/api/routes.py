@@ -34,6 +34,7 @@ request is valid.
 """
 
 import hmac
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 
-from core.messages import MODEL_ID, FinetuneSpec
+from core import defaults
+from core.messages import MODEL_ID, AliasMove, FinetuneSpec
 
 from .gateway import (LIVE_STATES, MlflowNotFound, StackGateway, StackUnavailable, job_name, job_topics,
                       unusable_job_topic)
@@ -127,6 +129,7 @@ BAD_BODY = _err(400, "the body cannot be parsed (not UTF-8 JSON)")
 
 # ---------------------------------------------------------------- endpoints
 
+log = logging.getLogger("streamtune.api")
 router = APIRouter()
 ModelIdPath = Annotated[str, PathParam(pattern=MODEL_ID)]
 
@@ -238,6 +241,14 @@ def versions(model_id: ModelIdPath, actor: Reader, plane: Plane):
 def move_alias(model_id: ModelIdPath, body: AliasRequest, actor: Writer, plane: Plane):
     from_version = plane.gateway.move_alias(model_id, body.alias, body.version)
     plane.promotions.append(model_id, body.alias, from_version, body.version, actor)
+    # The registry moved: tell followers now rather than at their next poll (a hint only).
+    move = AliasMove(model_id=model_id, alias=body.alias, version=body.version, from_version=from_version,
+                     actor=actor, ts=int(time.time() * 1000))
+    try:
+        plane.gateway.ensure_topic(defaults.ALIAS_MOVES_TOPIC)
+        plane.gateway.produce(defaults.ALIAS_MOVES_TOPIC, [(model_id, move, move.ts)])
+    except StackUnavailable as e:  # followers still see the move at their next registry poll
+        log.warning("alias move of %s not announced: %s", model_id, e)
     return AliasResponse(model_id=model_id, alias=body.alias, from_version=from_version, to_version=body.version)
 
 

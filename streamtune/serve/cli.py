@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+from pathlib import Path
 
 from core import defaults
 from core.errors import ConfigError
@@ -16,6 +18,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamtune.api.app import read_token
 
     from .app import create_app
+    from .guard import GuardSettings
     from .served import ServedModels, ServeSettings
 
     if not 0.0 <= args.candidate_fraction <= 1.0:
@@ -29,10 +32,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "no token (STREAMTUNE_API_TOKEN or --token-file): calls that change state are refused")
     follower = FollowerSettings(bootstrap=args.bootstrap, tracking_uri=None if args.no_registry else args.tracking_uri,
                                 artifact_store=args.artifact_store, topic_pattern=args.broadcast_topics)
+    log_topic = None if args.no_inference_log else args.inference_log_topic
+    guard = None
+    if not args.no_auto_rollback:
+        if log_topic is None or args.no_registry:
+            raise ConfigError("automatic rollback needs the inference log and the registry "
+                              "(or pass --no-auto-rollback)")
+        guard = GuardSettings(bootstrap=args.bootstrap, tracking_uri=args.tracking_uri, inference_log_topic=log_topic,
+                              feedback_topics=args.feedback_topics, promotion_log=args.promotion_log,
+                              margin=args.rollback_margin, min_events=args.rollback_min_events,
+                              window=args.rollback_window)
     settings = ServeSettings(base_model=args.base_model, follower=follower, slots=args.slots,
                              cpu_cache=args.cpu_cache, max_rank=args.max_rank,
                              candidate_fraction=args.candidate_fraction,
-                             inference_log_topic=None if args.no_inference_log else args.inference_log_topic)
+                             inference_log_topic=log_topic, guard=guard)
     served = ServedModels(settings)
     uvicorn.run(create_app(served, token), host=args.host, port=args.port, log_level="info")
     return 0
@@ -58,5 +71,13 @@ def add_parser(subparsers) -> None:
                    help="share of traffic for `candidate` when it differs from `champion`")
     p.add_argument("--inference-log-topic", default=defaults.INFERENCE_LOG_TOPIC)
     p.add_argument("--no-inference-log", action="store_true")
+    p.add_argument("--feedback-topics", default=re.escape(defaults.FEEDBACK_TOPIC),
+                   help="regex of the feedback topics whose events cite served responses (request_id)")
+    p.add_argument("--rollback-margin", type=float, default=0.1,
+                   help="acceptance-rate gap that takes a candidate out (or rolls a champion back)")
+    p.add_argument("--rollback-min-events", type=int, default=30, help="judged responses needed on each side")
+    p.add_argument("--rollback-window", type=int, default=200, help="judged responses kept per version")
+    p.add_argument("--promotion-log", type=Path, default=defaults.home() / "api" / "promotions.jsonl")
+    p.add_argument("--no-auto-rollback", action="store_true")
     p.add_argument("--token-file", default=None, help="bearer token file (else $STREAMTUNE_API_TOKEN)")
     p.set_defaults(func=reporting_errors(cmd_serve))

@@ -22,6 +22,7 @@ from core.errors import ArtifactIntegrityError, ConfigError, StreamtuneError
 from core.messages import InferenceRecord
 from operators.adapter_pool import BASE, AdapterPool, Generation
 
+from .guard import GuardSettings, OnlineGuard
 from .routing import ModelName, arm_for, parse_model_name
 
 log = logging.getLogger("streamtune.serve")
@@ -41,6 +42,7 @@ class ServeSettings:
     candidate_fraction: float = 0.0
     inference_log_topic: Optional[str] = None
     max_tokens_limit: int = 256
+    guard: Optional[GuardSettings] = None   # automatic rollback (needs the inference log)
 
 
 @dataclass
@@ -85,13 +87,18 @@ class ServedModels:
             create_topic(settings.follower.bootstrap, settings.inference_log_topic)
             self.log_producer = KafkaProducer(bootstrap_servers=settings.follower.bootstrap, acks=1, linger_ms=5)
         self.follower = AdapterFollower(settings.follower, on_alias=self.on_alias)
+        self.guard = OnlineGuard(settings.guard) if settings.guard else None
 
     def start(self) -> "ServedModels":
         self.follower.start()
+        if self.guard is not None:
+            self.guard.start()
         return self
 
     def close(self) -> None:
         self.follower.stop()
+        if self.guard is not None:
+            self.guard.stop()
         if self.log_producer is not None:
             self.log_producer.flush(5)
             self.log_producer.close(5)
@@ -117,8 +124,14 @@ class ServedModels:
             raise
         return key
 
-    def on_alias(self, model_id: str, alias: str, version: int) -> None:
+    def on_alias(self, model_id: str, alias: str, version: Optional[int]) -> None:
         """The follower saw `alias` move: load the version, then acknowledge the move."""
+        if version is None:  # deleted in the registry (a rolled-back candidate): no more traffic
+            with self.pool.lock:
+                self.routes.get(model_id, {}).pop(alias, None)
+                self.acknowledged_at[(model_id, alias)] = time.time()
+            log.info("%s@%s removed", model_id, alias)
+            return
         key = self._ensure_loaded(model_id, version)  # raises: the route stays where it was
         with self.pool.lock:
             self.routes.setdefault(model_id, {})[alias] = version
