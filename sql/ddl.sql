@@ -1,7 +1,8 @@
 -- streamtune's topics as Flink SQL tables (Kafka connector), each with an event-time watermark.
 -- Run first (`streamtune sql` does it for every file next to it; sql-client.sh: -i sql/ddl.sql).
 -- Tables: feedback, dlq, versions (the job's version records), adapter_versions (the
--- registrar's broadcast). Time zone UTC: window_start/window_end read as UTC.
+-- registrar's broadcast), inference_log (`streamtune serve`'s responses). Time zone UTC:
+-- window_start/window_end read as UTC.
 --
 -- Variables (${name}; `streamtune sql` substitutes them, -D name=value overrides):
 --   bootstrap: no default here; `streamtune sql` uses $STREAMTUNE_KAFKA_BOOTSTRAP or the stack's Kafka
@@ -9,6 +10,7 @@
 -- var dlq_topic = streamtune.dlq
 -- var versions_topic = streamtune.versions
 -- var adapter_versions_topic = streamtune.adapter-versions
+-- var inference_log_topic = streamtune.inference-log
 -- var startup_mode = earliest-offset       earliest-offset | latest-offset | timestamp ...
 -- var lateness_seconds = 5                 how far out of order records may arrive
 -- var idle_timeout_seconds = 10            a partition quiet this long stops holding the watermark
@@ -28,6 +30,7 @@ CREATE TEMPORARY TABLE feedback (
   label STRING COMMENT 'accepted | corrected | rejected | NULL',
   weight DOUBLE COMMENT 'loss weight in [0, 10]; NULL means the default, 1',
   ts BIGINT COMMENT 'epoch ms, as written by the producer',
+  request_id STRING COMMENT 'the served response it judges (inference_log.request_id); NULL when none',
   `topic` STRING METADATA VIRTUAL,
   `partition` INT METADATA VIRTUAL,
   `offset` BIGINT METADATA VIRTUAL,
@@ -115,6 +118,33 @@ CREATE TEMPORARY TABLE adapter_versions (
 ) WITH (
   'connector' = 'kafka',
   'topic' = '${adapter_versions_topic}',
+  'properties.bootstrap.servers' = '${bootstrap}',
+  'scan.startup.mode' = '${startup_mode}',
+  'scan.watermark.idle-timeout' = '${idle_timeout_seconds} s',
+  'format' = 'json',
+  'json.ignore-parse-errors' = 'true'
+);
+
+-- Served responses (core.messages.InferenceRecord): one record per response of `streamtune
+-- serve`, key model_id. Feedback cites a response by its request_id (feedback.request_id).
+-- Event time: the Kafka record timestamp, i.e. when the server wrote the record (just after `ts`).
+CREATE TEMPORARY TABLE inference_log (
+  request_id STRING,
+  model_id STRING,
+  `version` BIGINT COMMENT 'MLflow version that answered; NULL when the base model did',
+  alias STRING COMMENT 'the alias the request was routed through; NULL when none',
+  arm STRING COMMENT 'champion | candidate | pinned | base',
+  `user` STRING,
+  prompt STRING,
+  completion STRING,
+  mean_logprob DOUBLE COMMENT 'mean natural-log probability per completion token',
+  latency_ms DOUBLE,
+  ts BIGINT COMMENT 'epoch ms when the response was produced',
+  served_at TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  WATERMARK FOR served_at AS served_at - INTERVAL '${lateness_seconds}' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic' = '${inference_log_topic}',
   'properties.bootstrap.servers' = '${bootstrap}',
   'scan.startup.mode' = '${startup_mode}',
   'scan.watermark.idle-timeout' = '${idle_timeout_seconds} s',

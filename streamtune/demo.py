@@ -5,7 +5,9 @@ as an HF directory, submits jobs/stream_finetune.py to the local Flink cluster, 
 config for a demo model, streams learnable feedback (`x=1234;y=` → `2345`, each digit +1)
 plus a few malformed records, registers versions in MLflow as their checkpoints complete,
 then loads the `champion` adapter from MLflow with plain PEFT and reports held-out exact
-match before and after.
+match before and after. Beside the job, `streamtune serve` follows the versions as they are
+registered: the same held-out prompts, asked over HTTP, are answered by the base model
+first and then by each new champion as it swaps in (served exact match, live).
 """
 
 from __future__ import annotations
@@ -67,15 +69,81 @@ def champion_exact_match(config: StackConfig, model_id: str, base_dir: Path, hel
         return baseline, exact_match(tuned, tokenizer, held_out)
 
 
-def follow_broadcasts(config: StackConfig, topic: str, count: int, timeout_s: float, say) -> dict[str, int]:
-    """version_id → MLflow version, from the adapter-versions topic, until `count` arrived."""
+class DemoServer:
+    """`streamtune serve` for the demo's broadcast topic, as a child process."""
+
+    def __init__(self, config: StackConfig, base_dir: Path, topic: str, log_file: Path):
+        import re
+        import sys
+
+        from .local_job import spawn_logged
+        from .testing import free_port
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = spawn_logged([sys.executable, "-m", "streamtune.cli", "serve", "--port", self.url.rsplit(":", 1)[1],
+                                  "--base-model", str(base_dir), "--bootstrap", config.kafka_bootstrap,
+                                  "--tracking-uri", config.mlflow_uri, "--broadcast-topics", re.escape(topic),
+                                  "--artifact-store", str(config.data_dir / "adapters"), "--no-auto-rollback"],
+                                 log_file)
+        self.log_file = log_file
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise StackError(f"streamtune serve did not get ready in {timeout_s:.0f} s (its log: {self.log_file})")
+
+    def exact_match(self, model: str, pairs: list) -> tuple[float, int | None]:
+        """Served exact match of `model` on (prompt, completion) pairs, and the version that answered."""
+        import requests
+
+        hits, version = 0, None
+        for prompt, completion in pairs:
+            r = requests.post(f"{self.url}/v1/completions", timeout=60,
+                              json={"model": model, "prompt": prompt, "max_tokens": 8})
+            r.raise_for_status()
+            body = r.json()
+            hits += body["choices"][0]["text"].strip() == completion
+            version = body["streamtune"]["version"]
+        return hits / len(pairs), version
+
+    def wait_for_champion(self, model_id: str, version: int, timeout_s: float) -> None:
+        """Until the server acknowledged `version` as champion (it follows within about 1 s)."""
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            models = requests.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+            if any(m["id"] == model_id and m.get("aliases", {}).get("champion") == version for m in models):
+                return
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        from .local_job import kill_group
+
+        kill_group(self.proc)
+
+
+def follow_broadcasts(config: StackConfig, topic: str, count: int, timeout_s: float, say,
+                      on_version=lambda broadcast: None, seen: dict[str, int] | None = None) -> dict[str, int]:
+    """version_id → MLflow version, from the adapter-versions topic, until `count` arrived
+    (`seen`: those already reported by an earlier call, updated in place)."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, enable_auto_commit=False,
                              fetch_max_wait_ms=100)
     consumer.assign([TopicPartition(topic, 0)])
     consumer.seek_to_beginning()
-    seen: dict[str, int] = {}
+    seen = {} if seen is None else seen
     deadline = time.monotonic() + timeout_s
     try:
         while len(seen) < count and time.monotonic() < deadline:
@@ -86,6 +154,7 @@ def follow_broadcasts(config: StackConfig, topic: str, count: int, timeout_s: fl
                         seen[b.version_id] = b.mlflow_version
                         say(f"registered {b.model_id} v{b.mlflow_version} (seq {b.seq}) "
                             f"aliases {', '.join(b.aliases)}")
+                        on_version(b)
     finally:
         consumer.close()
     return seen
@@ -102,6 +171,21 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     topics = {k: f"streamtune.demo-{run}.{k}" for k in ("feedback", "configs", "versions", "dlq", "adapter-versions")}
     base_dir = build_tiny_llama(config.data_dir / "models" / "tiny-llama")
     say(f"base model: {base_dir}")
+    server = DemoServer(config, base_dir, topics["adapter-versions"], config.log_dir / f"serve-demo-{run}.log")
+    try:
+        return _run(config, as_json, say, run, model_id, topics, base_dir, server)
+    finally:
+        server.stop()
+
+
+def _run(config: StackConfig, as_json: bool, say, run: str, model_id: str, topics: dict, base_dir: Path,
+         server: DemoServer) -> int:
+    from .tinymodel import digit_pairs
+
+    held_out = digit_pairs(200, seed=999)
+    server.wait_ready(120)
+    served_before, _ = server.exact_match("base", held_out[:50])
+    say(f"serving at {server.url}: base model, held-out exact match {served_before:.2f} (50 prompts)")
 
     job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", [
         "--bootstrap", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
@@ -111,7 +195,6 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
         "--checkpoint-interval-ms", "2000", "--job-name", f"demo-{run}"])
     say(f"job {job_id} submitted to {config.flink_rest_url}")
 
-    held_out = digit_pairs(200, seed=999)
     train = digit_pairs(SAMPLES_PER_WINDOW * WINDOWS, seed=1, exclude={p[2:6] for p, _ in held_out})
     window_ms = WINDOW_SECONDS * 1000
     start = (int(time.time() * 1000) // window_ms - WINDOWS - 2) * window_ms
@@ -119,16 +202,33 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
     samples = digit_samples(model_id, train, start, window_ms / SAMPLES_PER_WINDOW, id_prefix=f"{run}-")
     # One later sample closes the last window (event time only moves with the data).
     closer = digit_samples(model_id, train[:1], start + WINDOWS * window_ms, 1, id_prefix=f"{run}-closer-")
-    sent = send_samples(config.kafka_bootstrap, topics["feedback"], samples + closer)
     bad = producer(config.kafka_bootstrap)
     for payload in MALFORMED:
         bad.send(topics["feedback"], payload, timestamp_ms=start)
     bad.flush()
     bad.close()
-    say(f"sent {sent} feedback samples ({WINDOWS} windows of {SAMPLES_PER_WINDOW}) and {len(MALFORMED)} malformed records")
 
-    # The job registers its committed versions in MLflow and broadcasts each: follow the broadcasts.
-    registered = follow_broadcasts(config, topics["adapter-versions"], WINDOWS, timeout_s=300, say=say)
+    # Feedback arrives window by window: each window's first sample closes the one before, the
+    # job trains and registers it, the server swaps it in, and the held-out prompts are asked
+    # again over HTTP (the served exact match, live).
+    live: list[dict] = []
+
+    def served_now(b: AdapterVersionBroadcast) -> None:
+        if "champion" in b.aliases:
+            server.wait_for_champion(model_id, b.mlflow_version, timeout_s=5)
+            score, version = server.exact_match(model_id, held_out[:50])
+            live.append({"version": version, "exact_match": score})
+            say(f"  served: {model_id} answered by v{version}, held-out exact match {score:.2f} (50 prompts)")
+
+    registered: dict[str, int] = {}
+    sent = 0
+    for w in range(WINDOWS + 1):
+        batch = samples[w * SAMPLES_PER_WINDOW:(w + 1) * SAMPLES_PER_WINDOW] if w < WINDOWS else closer
+        sent += send_samples(config.kafka_bootstrap, topics["feedback"], batch)
+        if w > 0:  # the job registers its committed versions in MLflow and broadcasts each
+            follow_broadcasts(config, topics["adapter-versions"], w, timeout_s=120, say=say, on_version=served_now,
+                              seen=registered)
+    say(f"sent {sent} feedback samples ({WINDOWS} windows of {SAMPLES_PER_WINDOW}) and {len(MALFORMED)} malformed records")
     cancel_job(config, job_id)
     say(f"job {job_id} cancelled")
     if len(registered) < WINDOWS:
@@ -136,12 +236,16 @@ def run_demo(config: StackConfig, as_json: bool = False) -> int:
 
     dlq = read_topic(config.kafka_bootstrap, topics["dlq"], expect=len(MALFORMED), timeout=20)
     baseline, final = champion_exact_match(config, model_id, base_dir, held_out)
+    served_final, served_version = server.exact_match(model_id, held_out)
     summary = {"model_id": model_id, "versions": len(registered),
                "baseline_exact_match": baseline, "final_exact_match": final,
+               "served_exact_match": served_final, "served_version": served_version,
+               "served_live": live, "serve_url": server.url,
                "samples": sent, "dlq": len(dlq), "tracking_uri": config.mlflow_uri}
     if as_json:
         print(json.dumps(summary))
     else:
-        say(f"held-out exact match: {baseline:.2f} before, {final:.2f} with models:/{model_id}@champion")
+        say(f"held-out exact match: {baseline:.2f} before, {final:.2f} with models:/{model_id}@champion; "
+            f"served by streamtune serve (v{served_version}): {served_final:.2f}")
         say(json.dumps(summary, indent=2))
     return 0

@@ -19,14 +19,14 @@ from typing import Literal, Optional, Union, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from core.messages import AdapterVersionBroadcast, DeadLetter, FeedbackSample, VersionRecord
+from core.messages import AdapterVersionBroadcast, DeadLetter, FeedbackSample, InferenceRecord, VersionRecord
 from streamtune.sqlclient.scanner import split_statements
 
 pytestmark = pytest.mark.sql
 
 DDL = Path(__file__).resolve().parents[1] / "sql" / "ddl.sql"
 TABLES: dict[str, type[BaseModel]] = {"feedback": FeedbackSample, "dlq": DeadLetter, "versions": VersionRecord,
-                                      "adapter_versions": AdapterVersionBroadcast}
+                                      "adapter_versions": AdapterVersionBroadcast, "inference_log": InferenceRecord}
 # Required message fields a table leaves out on purpose, by path, with the reason.
 NOT_DECLARED = {
     # the sample ids and offsets of every trained sample: for the registrar and audits;
@@ -261,6 +261,10 @@ def test_exclusions_name_real_required_fields():
     ("  fresh_adapter BOOLEAN", "  fresh_adapter INT", "versions.fresh_adapter: INT does not hold bool"),
     ("  aliases ARRAY<STRING>", "  aliases ARRAY<INT>", "adapter_versions.aliases[]: INT does not hold str"),
     ("TABLE adapter_versions (", "TABLE adapter_version (", "adapter_versions: not declared"),
+    ("  request_id STRING COMMENT 'the served", "  request_id BIGINT COMMENT 'the served",
+     "feedback.request_id: BIGINT does not hold str"),
+    ("'champion | candidate | pinned | base'", "'champion | candidate'", "inference_log.arm: COMMENT lists"),
+    ("  latency_ms DOUBLE,", "  latency_ms BIGINT,", "inference_log.latency_ms: BIGINT does not hold float"),
 ])
 def test_the_check_reports_a_drifted_ddl(old, new, reported):
     ddl = DDL.read_text()

@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.messages import (AdapterConfig, AdapterVersionBroadcast, DeadLetter, FeedbackSample, FinetuneSpec, Lineage,
-                           Message, OffsetRange, RetrainTrigger, SourcePosition, TriggerPolicy, VersionMetrics,
-                           VersionRecord)
+from core.messages import (AdapterConfig, AdapterVersionBroadcast, DeadLetter, FeedbackSample, FinetuneSpec,
+                           InferenceRecord, Lineage, Message, OffsetRange, RetrainTrigger, SourcePosition,
+                           TriggerPolicy, VersionMetrics, VersionRecord)
 from streamtune.sqlclient.command import add_parser, cmd_sql
 from streamtune.sqlclient.runner import new_table_env, run_file, run_statements
 
@@ -47,6 +47,9 @@ TIMEOUT = 120                       # seconds a query may take to return its row
 IDLE = 3.0                          # a query is done once no row came for this long (all rows
                                     # come in one burst when the closer's watermark arrives)
 THRESHOLD, MIN_LABELLED, TRIGGER_MINUTES = 0.3, 4, 5
+SERVE_START = BASE + 30 * MIN       # served responses: minutes 30 and 31 (two windows)
+JUDGE = 10 * MIN                    # serving_metrics.sql's judge_minutes (its default)
+SEVERITY = {"accepted": 1, "corrected": 2, "rejected": 3}  # a response's verdict: its most severe label
 LABELS = ("accepted", "corrected", "rejected")
 WORDS = ["x=1234;y=", "2345", "hello", "world", "stream", "tune", "lora", "adapter", "token", "9", "a+b", "éß"]
 
@@ -76,10 +79,10 @@ def trigger_plan() -> list[tuple[int, int, int]]:
 TRIG_FIRES = [3, 6, 8]
 
 
-def make_feedback(rng: random.Random) -> list[tuple[int, FeedbackSample | bytes]]:
-    """(event time ms, record) of the feedback topic, sorted by event time: samples, two
-    records the queries must not count, then the closer."""
-    records = []
+def make_feedback(rng: random.Random, extra=()) -> list[tuple[int, FeedbackSample | bytes]]:
+    """(event time ms, record) of the feedback topic, sorted by event time: samples (and the
+    `extra` ones), two records the queries must not count, then the closer."""
+    records = list(extra)
 
     def sample(model, ts, label, weight=1.0):
         completion = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14)))
@@ -105,6 +108,72 @@ def make_feedback(rng: random.Random) -> list[tuple[int, FeedbackSample | bytes]
     records.append((FAR, FeedbackSample(model_id="zz-closer", sample_id="closer", prompt="", completion="closer",
                                         ts=FAR)))
     return records
+
+
+def make_serving(rng: random.Random):
+    """Responses as `streamtune serve` logs them (InferenceRecord; event time = ts) and the
+    feedback citing them: (inference log records with the closer, feedback samples).
+
+    Models, arms and versions: bot-a champion 3 / candidate 4 / base, bot-b pinned 5 and
+    champion 6, promoted to 7 in the second minute. By response number, feedback: none; one
+    label within the judging bound; a click and a correction or rejection, in either order
+    (the verdict is the more severe); unlabelled; at exactly ts + JUDGE (counts) and
+    ts + JUDGE + 1 ms (does not); at ts - 1 ms (does not) and at ts (counts); from the other
+    model (does not); accepted twice (counts once). Plus a response logged twice (counts
+    once) and labelled feedback citing unknown request ids.
+    """
+    responses, feedback = [], []
+
+    def judge(model, ts, label, request_id):
+        feedback.append((ts, FeedbackSample(model_id=model, sample_id=f"judge-{len(feedback)}", prompt="x=1234;y=",
+                                            completion=rng.choice(WORDS), label=label, ts=ts,
+                                            request_id=request_id)))
+
+    for i in range(96):
+        ts = SERVE_START + rng.randrange(0, 2 * MIN)
+        model = ("bot-a", "bot-b")[i % 2]
+        if model == "bot-a":
+            arm, version, alias = rng.choice([("champion", 3, "champion"), ("candidate", 4, "candidate"),
+                                              ("base", None, None)])
+        elif rng.random() < 0.3:
+            arm, version, alias = "pinned", 5, None
+        else:
+            arm, version, alias = "champion", 6 if ts < SERVE_START + 90_000 else 7, "champion"
+        r = InferenceRecord(request_id=f"cmpl-{i:04d}{uuid.UUID(int=rng.getrandbits(128)).hex[:8]}", model_id=model,
+                            version=version, alias=alias, arm=arm, user=rng.choice([None, "u1", "u2"]),
+                            prompt="x=1234;y=", completion=rng.choice(WORDS),
+                            mean_logprob=-round(rng.uniform(0.01, 3.0), 6), latency_ms=round(rng.uniform(1, 250), 3),
+                            ts=ts)
+        responses.append((ts, r))
+        rid, case = r.request_id, i // 2 % 8
+        if case == 1:
+            judge(model, ts + rng.randrange(0, JUDGE), rng.choice(list(SEVERITY)), rid)
+        elif case == 2:  # a click and a correction or rejection, in either order
+            labels = ["accepted", rng.choice(["corrected", "rejected"])]
+            first = ts + rng.randrange(0, JUDGE // 2)
+            for label, at in zip(labels[::rng.choice([1, -1])], (first, first + rng.randrange(1, JUDGE // 2))):
+                judge(model, at, label, rid)
+        elif case == 3:
+            judge(model, ts + rng.randrange(0, JUDGE), None, rid)
+        elif case == 4:
+            judge(model, ts + JUDGE, rng.choice(list(SEVERITY)), rid)
+            judge(model, ts + JUDGE + 1, "rejected", rid)
+        elif case == 5:
+            judge(model, ts - 1, "rejected", rid)
+            judge(model, ts, rng.choice(list(SEVERITY)), rid)
+        elif case == 6:
+            judge("bot-b" if model == "bot-a" else "bot-a", ts + 1000, "accepted", rid)
+        elif case == 7:
+            judge(model, ts + rng.randrange(0, JUDGE), "accepted", rid)
+            judge(model, ts + rng.randrange(0, JUDGE), "accepted", rid)  # judged twice, counted once
+        if i == 11:
+            responses.append((ts, r))  # logged twice (an at-least-once producer retried)
+    for k in range(5):
+        judge(rng.choice(["bot-a", "bot-b"]), SERVE_START + rng.randrange(0, 3 * MIN), "rejected", f"cmpl-unknown-{k}")
+    responses.sort(key=lambda x: x[0])
+    responses.append((FAR, InferenceRecord(request_id="closer", model_id="zz-closer", arm="base", prompt="",
+                                           completion="closer", mean_logprob=-1.0, latency_ms=1.0, ts=FAR)))
+    return responses, feedback
 
 
 def make_dlq(rng: random.Random, feedback_topic: str) -> list[tuple[int, DeadLetter]]:
@@ -218,17 +287,20 @@ def sql_env(stack_config, base_model, tmp_path_factory):
 
     bootstrap = stack_config.kafka_bootstrap
     prefix = f"test.sql-{uuid.uuid4().hex[:8]}"
-    topics = {k: f"{prefix}.{k}" for k in ("feedback", "dlq", "versions", "adapter-versions", "configs")}
+    topics = {k: f"{prefix}.{k}" for k in ("feedback", "dlq", "versions", "adapter-versions", "configs",
+                                           "inference-log")}
     for topic in topics.values():
         create_topic(bootstrap, topic)
+    inference, judgements = make_serving(random.Random(16))  # its own rng: the other data stays the same
     rng = random.Random(6)
-    feedback = make_feedback(rng)
+    feedback = make_feedback(rng, judgements)
     dlq = make_dlq(rng, topics["feedback"])
     versions, broadcasts = make_versions(rng)
     produce(bootstrap, topics["feedback"], feedback)
     produce(bootstrap, topics["dlq"], dlq)
     produce(bootstrap, topics["versions"], versions)
     produce(bootstrap, topics["adapter-versions"], broadcasts)
+    produce(bootstrap, topics["inference-log"], inference)
 
     with pytest.MonkeyPatch.context() as mp:
         # Python UDFs of a local job run in this process: they see this catalogue
@@ -236,6 +308,7 @@ def sql_env(stack_config, base_model, tmp_path_factory):
         tokenizer_catalogue.register(topics["feedback"], base_model)  # the per-topic tokenizer
         variables = {"bootstrap": bootstrap, "feedback_topic": topics["feedback"], "dlq_topic": topics["dlq"],
                      "versions_topic": topics["versions"], "adapter_versions_topic": topics["adapter-versions"],
+                     "inference_log_topic": topics["inference-log"],
                      "config_topic": topics["configs"], "lateness_seconds": "0", "tokenizer": topics["feedback"],
                      "threshold": str(THRESHOLD), "min_labelled": str(MIN_LABELLED),
                      "window_minutes": str(TRIGGER_MINUTES)}
@@ -243,7 +316,7 @@ def sql_env(stack_config, base_model, tmp_path_factory):
         run_file(SQL / "ddl.sql", variables, t_env)
         yield SimpleNamespace(t_env=t_env, variables=variables, topics=topics, bootstrap=bootstrap,
                               base_model=base_model, feedback=feedback, samples=counted_samples(feedback), dlq=dlq,
-                              versions=versions, broadcasts=broadcasts)
+                              versions=versions, broadcasts=broadcasts, inference=inference)
 
 
 def query(env, name: str, **extra) -> list[dict]:
@@ -262,9 +335,9 @@ def approx(x, digits=9):
 
 def test_ddl_declares_the_tables_with_watermarks(sql_env):
     tables = set(sql_env.t_env.list_temporary_tables())
-    assert {"feedback", "dlq", "versions", "adapter_versions"} <= tables
+    assert {"feedback", "dlq", "versions", "adapter_versions", "inference_log"} <= tables
     for table, column in (("feedback", "event_time"), ("dlq", "event_time"), ("versions", "data_end"),
-                          ("adapter_versions", "published_at")):
+                          ("adapter_versions", "published_at"), ("inference_log", "served_at")):
         [described] = [r for r in run_statements(f"DESCRIBE {table}", sql_env.variables, sql_env.t_env)]
         by_name = {row[0]: row for row in described.rows}
         assert "ROWTIME" in str(by_name[column][1]), by_name[column]
@@ -302,8 +375,12 @@ def test_tables_read_the_messages_as_the_models_write_them(sql_env):
     from test_contracts import Tokens, create_tables, parse_type
 
     declared = create_tables((SQL / "ddl.sql").read_text())
-    for table, records in (("feedback", sql_env.feedback), ("dlq", sql_env.dlq), ("versions", sql_env.versions),
-                           ("adapter_versions", sql_env.broadcasts)):
+    from test_contracts import TABLES
+
+    sources = {"feedback": sql_env.feedback, "dlq": sql_env.dlq, "versions": sql_env.versions,
+               "adapter_versions": sql_env.broadcasts, "inference_log": sql_env.inference}
+    assert set(sources) == set(TABLES)  # every table of the contract, read back here
+    for table, records in sources.items():
         [described] = run_statements(f"DESCRIBE {table}", sql_env.variables, sql_env.t_env)
         columns = {row[0]: parse_type(Tokens(row[1])) for row in described.rows if row[4] is None}  # no extras
         assert [(c.name, str(c.type)) for c in declared[table]] == [(n, str(t)) for n, t in columns.items()]
@@ -439,6 +516,50 @@ def test_freshness_per_adapter_version(sql_env):
     rows = query(sql_env, "freshness.sql")
     got = Counter((r["window_start"], r["window_end"], r["model_id"], r["version_id"], r["seq"], r["mlflow_version"],
                    r["data_window_end"], r["published_at"], r["freshness_ms"], r["broadcasts"]) for r in rows)
+    assert got == expected
+
+
+def expected_serving_metrics(env) -> Counter:
+    """Per minute of response time, model, arm and version: the responses (each request id
+    once), those judged by labelled feedback of the same model within [ts, ts + JUDGE], their
+    verdicts (the most severe label), the rates over judged, mean latency and mean logprob."""
+    served = {}
+    for ts, r in env.inference[:-1]:
+        served.setdefault(r.request_id, (ts, r))
+    verdicts = defaultdict(int)
+    for ts, f in env.feedback:
+        if isinstance(f, FeedbackSample) and f.request_id in served and f.label in SEVERITY:
+            t, r = served[f.request_id]
+            if f.model_id == r.model_id and t <= ts <= t + JUDGE:
+                verdicts[r.request_id] = max(verdicts[r.request_id], SEVERITY[f.label])
+    groups = defaultdict(list)
+    for rid, (t, r) in served.items():
+        groups[(floor(t, MIN), r.model_id, r.arm, r.version)].append((verdicts[rid], r))
+    out = Counter()
+    for (start, model, arm, version), rs in groups.items():
+        n = Counter(v for v, _ in rs)
+        judged = len(rs) - n[0]
+        rate = (lambda k: n[k] / judged if judged else None)
+        out[(utc(start), utc(start + MIN), model, arm, version, len(rs), judged, n[1], n[2], n[3],
+             approx(rate(1)), approx(rate(2)), approx(sum(r.latency_ms for _, r in rs) / len(rs), 6),
+             approx(sum(r.mean_logprob for _, r in rs) / len(rs), 6))] += 1
+    return out
+
+
+def test_serving_metrics_per_arm(sql_env):
+    expected = expected_serving_metrics(sql_env)
+    # the data covers what the query must tell apart
+    keys = {(start, model, arm, version) for (start, _, model, arm, version, *_) in expected}
+    assert len({k[0] for k in keys}) == 2 and {k[2] for k in keys} == {"champion", "candidate", "pinned", "base"}
+    assert {(k[1], k[3]) for k in keys if k[2] == "champion"} == {("bot-a", 3), ("bot-b", 6), ("bot-b", 7)}
+    assert all(sum(row[i] for row in expected) > 0 for i in (7, 8, 9))  # accepted, corrected, rejected
+    assert sum(row[5] - row[6] for row in expected) > 0                  # responses not judged
+    assert len(sql_env.inference) - 1 == len({r.request_id for _, r in sql_env.inference[:-1]}) + 1  # one duplicate
+    rows = query(sql_env, "serving_metrics.sql")
+    got = Counter((r["window_start"], r["window_end"], r["model_id"], r["arm"], r["version"], r["responses"],
+                   r["judged"], r["accepted"], r["corrected"], r["rejected"], approx(r["acceptance_rate"]),
+                   approx(r["correction_rate"]), approx(r["mean_latency_ms"], 6), approx(r["mean_logprob"], 6))
+                  for r in rows)
     assert got == expected
 
 
@@ -600,7 +721,8 @@ def test_every_shipped_file_renders_for_sql_client():
 
     shipped = sorted(SQL.glob("*.sql"))
     assert {p.name for p in shipped} == {"ddl.sql", "functions.sql", "samples_per_model.sql", "label_rates.sql",
-                                         "token_lengths.sql", "dlq_rate.sql", "freshness.sql", "retrain_trigger.sql"}
+                                         "token_lengths.sql", "dlq_rate.sql", "freshness.sql", "retrain_trigger.sql",
+                                         "serving_metrics.sql"}
     for path in shipped:
         text = path.read_text()
         assert text.startswith("-- "), f"{path.name} lacks its header comment"

