@@ -216,6 +216,7 @@ class Server:
              "--bootstrap", bootstrap, "--no-inference-log", "--slots", str(SLOTS), "--cpu-cache", str(CPU_CACHE),
              *extra],
             log_file)
+        OURS.add(self.proc.pid)
 
     def wait_ready(self, timeout: float = 180) -> float:
         started = time.monotonic()
@@ -264,6 +265,7 @@ class Server:
         from streamtune.local_job import kill_group
 
         kill_group(self.proc)
+        OURS.discard(self.proc.pid)
 
 
 def paced_load(url: str, n: int, rate: float, clients: int, model_for, prompt_offset: int = 0) -> list[dict]:
@@ -305,6 +307,41 @@ def paced_load(url: str, n: int, rate: float, clients: int, model_for, prompt_of
     for t in threads:
         t.join()
     return [r for r in results if r is not None]
+
+
+OURS: set[int] = {os.getpid()}  # this bench and the server it runs: the rest of the machine is "other"
+
+
+def _jiffies() -> tuple[int, int]:
+    """(CPU time the whole machine spent busy, CPU time of OURS), in clock ticks."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    ours = 0
+    for pid in list(OURS):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime + stime, every thread
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return sum(t) - t[3] - t[4], ours
+
+
+class CpuWatch:
+    """How many CPUs other processes (the local stack included) kept busy while a block ran."""
+
+    def __enter__(self) -> "CpuWatch":
+        self.started, (self.busy, self.ours) = time.monotonic(), _jiffies()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, ours = _jiffies()
+        self.seconds = time.monotonic() - self.started
+        self.other = max(0.0, (busy - self.busy - (ours - self.ours)) / os.sysconf("SC_CLK_TCK") / self.seconds)
+
+
+def mean_other(watches: list[CpuWatch]) -> float:
+    total = sum(w.seconds for w in watches)
+    return sum(w.other * w.seconds for w in watches) / total if total else float("nan")
 
 
 def ok_ms(results: list[dict]) -> list[float]:
@@ -357,6 +394,7 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
         blocks = args.blocks
         per_block = math.ceil(args.requests / blocks)
         by_condition: dict[str, list[dict]] = {"no_swaps": [], "swaps": []}
+        watches: dict[str, list[CpuWatch]] = {"no_swaps": [], "swaps": []}
         published: dict[int, float] = {}
         next_version = [2]
         for block in range(blocks):
@@ -377,15 +415,18 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
                 swaps_before = next_version[0]
                 if publisher:
                     publisher.start()
-                results = paced_load(server.url, per_block, args.rate, args.clients, lambda i: model_id)
+                with CpuWatch() as watch:
+                    results = paced_load(server.url, per_block, args.rate, args.clients, lambda i: model_id)
                 stop.set()
+                watches[condition].append(watch)
                 if publisher:
                     publisher.join()
                 by_condition[condition] += results
                 served = sorted({r["version"] for r in results if r["version"] is not None})
                 say(f"  block {block + 1} {condition:8s}: {len(results)} requests, p50 {pct(ok_ms(results), .5):.1f} ms "
                     f"p95 {pct(ok_ms(results), .95):.1f} ms, {next_version[0] - swaps_before} versions published, "
-                    f"versions served {served[0] if served else '-'}..{served[-1] if served else '-'}")
+                    f"versions served {served[0] if served else '-'}..{served[-1] if served else '-'}; "
+                    f"other processes busy {watch.other:.2f} CPUs")
         # Publish → the first answer from that version (swap acknowledged under load).
         first_answer: dict[int, float] = {}
         for r in by_condition["swaps"]:
@@ -405,6 +446,7 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
                   "versions_served_in_swaps": len({r["version"] for r in by_condition["swaps"]}),
                   "champion_swaps_acknowledged": float(acked.group(1)) if acked else None,
                   "publish_to_first_answer_ms": stats(visible),
+                  "other_processes_cpus": {c: mean_other(w) for c, w in watches.items()},
                   "server_ready_s": ready_s}
         result["p95_ratio"] = result["latency_ms"]["swaps"]["p95"] / result["latency_ms"]["no_swaps"]["p95"]
         result["p50_ratio"] = result["latency_ms"]["swaps"]["p50"] / result["latency_ms"]["no_swaps"]["p50"]
@@ -446,21 +488,32 @@ def measure_fleet(args, base: str, bootstrap: str, u: str, store, versions, tmp:
                 registered = size
             rss_idle = server.rss_mb()
             paced_load(server.url, 20, args.rate, args.clients, lambda i: hot_model)  # back into a slot
-            hot = paced_load(server.url, args.fleet_requests, args.rate, args.clients, lambda i: hot_model)
             in_slot = {m for m, d in server.models().items() if d.get("hot")}
             cold_ids = [m for m in model_ids[:size] if m not in asked and m not in in_slot][:args.fleet_requests]
-            cold = paced_load(server.url, len(cold_ids), args.rate, args.clients, lambda i: cold_ids[i]) \
-                if cold_ids else []
             asked |= set(cold_ids)
+            hot, cold, watch_hot, watch_cold = [], [], [], []
+            per_hot, per_cold = math.ceil(args.fleet_requests / args.blocks), math.ceil(len(cold_ids) / args.blocks)
+            for block in range(args.blocks):  # hot and cold blocks alternate: drift hits both
+                with CpuWatch() as watch:
+                    hot += paced_load(server.url, min(per_hot, args.fleet_requests - len(hot)), args.rate,
+                                      args.clients, lambda i: hot_model)
+                watch_hot.append(watch)
+                todo = cold_ids[block * per_cold:(block + 1) * per_cold]
+                if todo:
+                    with CpuWatch() as watch:
+                        cold += paced_load(server.url, len(todo), args.rate, args.clients, lambda i: todo[i])
+                    watch_cold.append(watch)
             rss = server.rss_mb()
             row = {"models": size, "acknowledge_all_s": ack_s, "rss_mib_before_requests": rss_idle, "rss_mib": rss,
                    "hot_ms": stats(ok_ms(hot)), "cold_ms": stats(ok_ms(cold)),
                    "hot_failures": failures(hot)[:5], "cold_failures": failures(cold)[:5],
-                   "hot_requests": len(hot), "cold_requests": len(cold)}
+                   "hot_requests": len(hot), "cold_requests": len(cold),
+                   "other_processes_cpus": {"hot": mean_other(watch_hot), "cold": mean_other(watch_cold)}}
             rows.append(row)
             say(f"  {size:5d} models: RSS {rss:.0f} MiB; hot p50 {row['hot_ms']['p50']:.1f} p95 "
                 f"{row['hot_ms']['p95']:.1f} ms ({len(hot)}); cold p50 {row['cold_ms']['p50']:.1f} p95 "
-                f"{row['cold_ms']['p95']:.1f} ms ({len(cold)}); failures {len(failures(hot)) + len(failures(cold))}")
+                f"{row['cold_ms']['p95']:.1f} ms ({len(cold)}); failures {len(failures(hot)) + len(failures(cold))}; "
+                f"other processes busy {mean_other(watch_hot + watch_cold):.2f} CPUs")
         for row in rows:
             row["server_ready_s"], row["rss_mib_start_1_model"] = ready_s, rss_start
         return rows

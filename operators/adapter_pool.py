@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from core.errors import ArtifactIntegrityError
+from core.routing import BASE
 
-BASE = "base"  # the version key that serves the base model without an adapter
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 

@@ -326,3 +326,69 @@ def test_worse_candidate_is_taken_out_and_a_regressing_champion_rolled_back(trai
     promotions = Path(str(server.log_file.with_suffix(".promotions"))).read_text()
     assert "champion_rolled_back" in promotions and "candidate_removed" in promotions, promotions
     producer.close()
+
+
+def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model, stack_config):
+    """jobs/stream_inference.py: requests keyed by model, versions as broadcast state; every
+    answer names its version and equals plain PEFT's; bad requests get an error response."""
+    import json
+
+    from connectors.kafka import create_topic, read_topic
+
+    boot, topics, model_id = stack_config.kafka_bootstrap, trained["topics"], trained["model_id"]
+    requests_topic, responses_topic = f"{topics['feedback']}.requests", f"{topics['feedback']}.responses"
+    for t in (requests_topic, responses_topic):
+        create_topic(boot, t)
+    by_version = {b.mlflow_version: b for b in trained["broadcasts"]}
+    champion = max(b.mlflow_version for b in trained["broadcasts"] if "champion" in b.aliases)
+    pinned = min(by_version)
+    asks = [{"request_id": "r-champion", "model": model_id, "prompt": PROMPTS[0], "max_tokens": 6},
+            {"request_id": "r-pinned", "model": f"{model_id}/{pinned}", "prompt": PROMPTS[1], "max_tokens": 6},
+            {"request_id": "r-base", "model": "base", "prompt": PROMPTS[2], "max_tokens": 6},
+            {"request_id": "r-unknown", "model": "no-such-model", "prompt": "x", "max_tokens": 6},
+            {"request_id": "r-bad-name", "model": "../x", "prompt": "x"}]
+    job = LocalJob(["--requests-topic", requests_topic, "--responses-topic", responses_topic,
+                    "--broadcast-topic", topics["adapter-versions"], "--base-model", str(base_model),
+                    "--artifact-store", str(trained["store"]), "--bootstrap", boot, "--checkpoint-interval-ms", "1000",
+                    "--job-name", f"infer-{model_id}"],
+                   trained["tmp"] / "infer-checkpoints", trained["tmp"] / "infer.log", module="jobs.stream_inference")
+    from kafka import KafkaProducer
+    producer = KafkaProducer(bootstrap_servers=boot, acks="all")
+    job.start()
+    try:
+        # The broadcast side must be read first: a request for a model not yet known is answered
+        # with an error, so wait for one answered request before the real ones.
+        def probe() -> bool:
+            producer.send(requests_topic, json.dumps(asks[0] | {"request_id": "probe"}).encode()).get(10)
+            return any(json.loads(r.value).get("version") for r in read_topic(boot, responses_topic, timeout=5,
+                                                                                idle=1.0, read_committed=False))
+        deadline = time.monotonic() + 240
+        while not probe():
+            assert time.monotonic() < deadline and job.running(), (trained["tmp"] / "infer.log").read_text()[-3000:]
+        for ask in asks:
+            producer.send(requests_topic, json.dumps(ask).encode())
+        producer.send(requests_topic, b"{not json")
+        producer.flush()
+        wanted = {a["request_id"] for a in asks} | {None}
+        deadline = time.monotonic() + 120
+        while True:
+            answers = {json.loads(r.value).get("request_id"): json.loads(r.value)
+                       for r in read_topic(boot, responses_topic, timeout=5, idle=1.0, read_committed=False)}
+            if wanted <= set(answers) or time.monotonic() > deadline:
+                break
+    finally:
+        job.kill()
+        producer.close()
+    assert wanted <= set(answers), sorted(map(str, answers))
+    reference = Reference(base_model, trained["store"])
+    for rid, version, prompt in (("r-champion", champion, PROMPTS[0]), ("r-pinned", pinned, PROMPTS[1])):
+        a = answers[rid]
+        assert a["version"] == version and "error" not in a, a
+        text, mean_logprob = reference.answer(by_version[version], prompt)
+        assert a["completion"] == text and abs(a["mean_logprob"] - mean_logprob) < 1e-4, (a, text, mean_logprob)
+        assert [s["stage"] for s in a["audit_trace"]] == ["routing", "adapter", "base_model"]
+        assert a["audit_trace"][1]["sha256"] == by_version[version].sha256
+    assert answers["r-base"]["version"] is None and "error" not in answers["r-base"]
+    assert "no champion" in answers["r-unknown"]["error"] or "no-such-model" in answers["r-unknown"]["error"]
+    assert "expected <model_id>" in answers["r-bad-name"]["error"]
+    assert "error" in answers[None]  # the unreadable request

@@ -20,10 +20,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from connectors.adapter_follower import AdapterFollower, FollowerSettings
 from core.errors import ArtifactIntegrityError, ConfigError, StreamtuneError
 from core.messages import InferenceRecord
-from operators.adapter_pool import BASE, AdapterPool, Generation
+from core.routing import BASE
+from operators.adapter_pool import AdapterPool, Generation
 
 from .guard import GuardSettings, OnlineGuard
-from .routing import ModelName, arm_for, parse_model_name
+from core.routing import ModelName, arm_for, parse_model_name
 
 log = logging.getLogger("streamtune.serve")
 

@@ -24,6 +24,7 @@ from typing import Optional
 from core.errors import ConfigError
 from core.messages import is_model_id
 
+BASE = "base"  # the model name (and pool key) of the base model without an adapter
 _NAME = re.compile(r"^(?P<model>[^@/]+)(?:@(?P<alias>[A-Za-z][A-Za-z0-9_-]*)|/(?P<version>[1-9][0-9]*))?$")
 
 

@@ -1,0 +1,130 @@
+"""Batch/stream scoring inside Flink: requests keyed by model, adapter versions as broadcast state.
+
+The broadcast side reads the adapter-versions topic (core.messages.AdapterVersionBroadcast):
+each record says a version exists and where its aliases pointed when it was registered, so
+the broadcast state holds, per model, the versions known and the latest `champion`. A request
+(core.messages request JSON: request_id, model, prompt, max_tokens) is answered by the
+version its `model` names (`<model_id>`, `<model_id>@<alias>`, `<model_id>/<version>`, or
+`base`) with the same adapter pool as `streamtune serve`, in this worker's memory.
+
+A request that names no known version, or whose artifact fails its sha256 check, gets a
+response with `error` set, never silence. Broadcast state is checkpointed with the job, so a
+restored job answers with the versions it knew.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pyflink.common import Types
+from pyflink.datastream.functions import KeyedBroadcastProcessFunction
+from pyflink.datastream.state import MapStateDescriptor
+
+from core.errors import StreamtuneError
+from core.messages import AdapterVersionBroadcast
+from core.routing import BASE, ModelName, parse_model_name
+
+ROUTES = MapStateDescriptor("adapter_routes", Types.STRING(), Types.STRING())  # model_id -> json
+_POOLS: dict[str, object] = {}
+
+
+def _pool(base_dir: str, slots: int):
+    from operators.adapter_pool import AdapterPool  # torch: imported in the worker, not at submission
+
+    if base_dir not in _POOLS:  # one base per worker process, shared by its subtasks
+        _POOLS[base_dir] = AdapterPool(base_dir, slots=slots)
+    return _POOLS[base_dir]
+
+
+class InferenceFunction(KeyedBroadcastProcessFunction):
+    def __init__(self, base_model: str, artifact_store: str, slots: int = 8):
+        self.base_model, self.artifact_store, self.slots = base_model, artifact_store, slots
+
+    def open(self, runtime_context):
+        from connectors.artifact_store import ArtifactStore
+
+        self.store = ArtifactStore(self.artifact_store)
+        self.pool = _pool(self.base_model, self.slots)
+        metrics = runtime_context.get_metrics_group()
+        self.answered = metrics.counter("requests_answered")
+        self.failed = metrics.counter("requests_failed")
+
+    def process_broadcast_element(self, value, ctx):
+        try:
+            b = AdapterVersionBroadcast.from_json(value[1])
+        except Exception:
+            return  # not a broadcast: the registrar's DLQ has the bad ones
+        state = ctx.get_broadcast_state(ROUTES)
+        raw = state.get(b.model_id)
+        routes = json.loads(raw) if raw else {"versions": {}, "aliases": {}}
+        routes["versions"][str(b.mlflow_version)] = {"artifact_uri": b.artifact_uri, "sha256": b.sha256,
+                                                     "version_id": b.version_id}
+        for alias in b.aliases:  # the newest registration that names an alias wins
+            if b.mlflow_version >= routes["aliases"].get(alias, 0):
+                routes["aliases"][alias] = b.mlflow_version
+        state.put(b.model_id, json.dumps(routes))
+
+    def process_element(self, value, ctx):
+        model_id, payload = value[0], value[1]
+        started = time.perf_counter()
+        try:
+            request = json.loads(payload)
+            name = parse_model_name(request["model"])
+            raw = ctx.get_broadcast_state(ROUTES).get(name.model_id)
+            routes = json.loads(raw) if raw else {"versions": {}, "aliases": {}}
+            version, alias = self._route(name, routes)
+            key, entry = BASE, None
+            if version is not None:
+                entry = routes["versions"][str(version)]
+                key = f"{name.model_id}/{version}"
+                if not self.pool.has(key):
+                    self.pool.put(key, self.store.get(entry["artifact_uri"], entry["sha256"]))
+            generation = self.pool.generate(key, str(request["prompt"]), int(request.get("max_tokens", 16)))
+        except (StreamtuneError, KeyError, TypeError, ValueError) as e:
+            self.failed.inc()
+            yield json.dumps({"request_id": _request_id(payload), "model_id": model_id,
+                              "error": f"{type(e).__name__}: {e}"})
+            return
+        self.answered.inc()
+        yield json.dumps({
+            "request_id": request.get("request_id"), "model_id": name.model_id, "version": version, "alias": alias,
+            "completion": generation.text, "mean_logprob": generation.mean_logprob,
+            "latency_ms": round((time.perf_counter() - started) * 1000, 3),
+            "audit_trace": [
+                {"stage": "routing", "alias": alias, "version": version},
+                {"stage": "adapter", "version": version, "version_id": entry and entry["version_id"],
+                 "sha256": entry and entry["sha256"]},
+                {"stage": "base_model", "path": self.pool.base_dir, "version": self.pool.base_fingerprint}]})
+
+    @staticmethod
+    def _route(name: ModelName, routes: dict) -> tuple[int | None, str | None]:
+        if name.model_id == BASE:
+            return None, None
+        if name.version is not None:
+            if str(name.version) not in routes["versions"]:
+                raise ModelNotKnown(f"{name.model_id} has no version {name.version} in the broadcast state")
+            return name.version, None
+        alias = name.alias or "champion"
+        if alias not in routes["aliases"]:
+            raise ModelNotKnown(f"{name.model_id} has no {alias} version in the broadcast state yet")
+        return routes["aliases"][alias], alias
+
+
+class ModelNotKnown(StreamtuneError):
+    pass
+
+
+def _request_id(payload: str):
+    try:
+        return json.loads(payload).get("request_id")
+    except (ValueError, AttributeError):
+        return None
+
+
+def model_of(payload: str) -> str:
+    """The model_id a request is keyed by ("" when unreadable: it still gets its error response)."""
+    try:
+        return parse_model_name(json.loads(payload)["model"]).model_id
+    except (StreamtuneError, KeyError, TypeError, ValueError, AttributeError):
+        return ""
