@@ -185,7 +185,10 @@ class AdapterFollower:
             if not self.settings.tracking_uri:  # no registry: the broadcast's aliases rule
                 for alias in b.aliases:
                     self._wanted.setdefault(b.model_id, {})[alias] = b.mlflow_version
-        self._apply(b.model_id)
+        if self.settings.tracking_uri and b.aliases and self._caught_up.is_set():
+            self._read_registry(b.model_id)  # a new version named by an alias: no need to wait for the poll
+        else:
+            self._apply(b.model_id)
 
     def _on_alias_move(self, raw: bytes) -> None:
         try:
@@ -194,21 +197,27 @@ class AdapterFollower:
             self._error(f"unreadable alias move skipped: {e}")
             return
         if self.settings.tracking_uri:
-            if move.model_id not in self._versions or not self._caught_up.is_set():
-                return  # not a model served here, or history: the poll before ready covers it
-            from mlflow import MlflowClient
-            client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
-            aliases = client.get_registered_model(move.model_id).aliases or {}
-            wanted = {a: int(v) for a, v in aliases.items() if a in FOLLOWED_ALIASES}
-        else:  # no registry: the announced move itself
-            wanted = dict(self._wanted.get(move.model_id, {}))
-            if move.version is None:
-                wanted.pop(move.alias, None)
-            else:
-                wanted[move.alias] = move.version
+            if move.model_id in self._versions and self._caught_up.is_set():
+                self._read_registry(move.model_id)
+            return  # not a model served here, or history: the poll before ready covers it
+        wanted = dict(self._wanted.get(move.model_id, {}))  # no registry: the announced move itself
+        if move.version is None:
+            wanted.pop(move.alias, None)
+        else:
+            wanted[move.alias] = move.version
         with self._lock:
             self._wanted[move.model_id] = wanted
         self._apply(move.model_id)
+
+    def _read_registry(self, model_id: str) -> None:
+        """One model's aliases from the registry, now (after a hint: a move or a new version)."""
+        from mlflow import MlflowClient
+
+        client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
+        aliases = client.get_registered_model(model_id).aliases or {}
+        with self._lock:
+            self._wanted[model_id] = {a: int(v) for a, v in aliases.items() if a in FOLLOWED_ALIASES}
+        self._apply(model_id)
 
     def _poll_aliases(self) -> None:
         from mlflow import MlflowClient
