@@ -12,16 +12,22 @@ every version has its own sha256):
    bench broadcast topic (`--no-registry`: aliases from the broadcasts), requests over HTTP
    from several client threads at a fixed pace, (a) with no swaps and (b) with a new version
    of the model broadcast as champion every second (the server fetches, checks and swaps it
-   in). Same pace, same prompts; blocks of (a) and (b) alternate so drift hits both.
+   in). Same pace, same prompts; (a) and (b) take turns in 2 s blocks (ABBA), so load from other
+   processes and drift hit both alike. Also printed: the median over block pairs of the p95
+   ratio (robust to one block hit by a burst elsewhere), the CPUs other processes used, the
+   latency inside the server (the `streamtune.latency_ms` of each answer), and (b) split into
+   requests sent within 250 ms after a publish (the ones a swap can slow) and the others.
    Goal: p95 with swaps within 10% of p95 without.
 3. Scale: one server with 1, then 100, then 1,000 model_ids (one version each, champion via
    its own broadcast, each its own artifact): server RSS, and latency of hot requests (one
    model already in a slot, asked again and again) and cold ones (each a model never asked
    before and not in a slot: the request copies it into one), with `--slots 8 --cpu-cache 1024`.
+   The server parses every champion when its broadcast arrives, so with up to 1,024 models a
+   cold request finds the version in the CPU cache: its extra cost is the slot copy, not a load.
 
 Prints a table of measured figures beside each goal and writes bench/results/serving.json.
 
-    .venv/bin/python bench/serving.py [--reps 200] [--requests 600] [--blocks 4] [--rate 25]
+    .venv/bin/python bench/serving.py [--reps 200] [--requests 600] [--block-seconds 2] [--rate 20]
                                       [--clients 4] [--models 1,100,1000]
 
 Run it on a quiet machine: with 2 CPUs, anything else busy (a pip install, a test run) shows
@@ -56,6 +62,7 @@ P95_RATIO_GOAL = 1.10
 SLOTS, CPU_CACHE = 8, 1024
 PROMPTS = ["x=1234;y=", "x=5071;y=", "x=9999;y=", "x=3141;y="]
 MAX_TOKENS = 6
+AFTER_PUBLISH_S = 0.25  # requests sent this soon after a publish are the ones a swap may slow
 TRAIN_STEPS = 30  # a few dozen steps: the adapter answers with digits (4-5 tokens), not an early stop
 
 
@@ -296,8 +303,10 @@ def paced_load(url: str, n: int, rate: float, clients: int, model_for, prompt_of
             except requests.RequestException as e:
                 body, status, text = {}, 0, str(e)[:200]
             done = time.perf_counter()
+            now = time.time()
             results[i] = {"ms": (done - sent) * 1000, "late_ms": max(0.0, sent - due) * 1000, "status": status,
-                          "error": text, "model": model, "done_wall": time.time(),
+                          "error": text, "model": model, "done_wall": now, "sent_wall": now - (done - sent),
+                          "server_ms": body.get("streamtune", {}).get("latency_ms"),
                           "version": body.get("streamtune", {}).get("version"),
                           "tokens": body.get("usage", {}).get("completion_tokens")}
 
@@ -391,14 +400,17 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
         server.wait_champions({model_id: 1})
         say(f"  server ready in {ready_s:.1f} s; warming up")
         paced_load(server.url, 60, args.rate, args.clients, lambda i: model_id)
-        blocks = args.blocks
-        per_block = math.ceil(args.requests / blocks)
+        per_block = max(1, round(args.rate * args.block_seconds))
+        pairs = math.ceil(args.requests / per_block)
         by_condition: dict[str, list[dict]] = {"no_swaps": [], "swaps": []}
         watches: dict[str, list[CpuWatch]] = {"no_swaps": [], "swaps": []}
+        block_p95: dict[str, list[float]] = {"no_swaps": [], "swaps": []}
         published: dict[int, float] = {}
         next_version = [2]
-        for block in range(blocks):
-            for condition in ("no_swaps", "swaps"):
+        say(f"  {pairs} pairs of {args.block_seconds:g} s blocks ({per_block} requests each), with and without swaps, "
+            "in turn (ABBA)")
+        for pair in range(pairs):
+            for condition in (("no_swaps", "swaps") if pair % 2 == 0 else ("swaps", "no_swaps")):
                 stop = threading.Event()
 
                 def publish() -> None:  # a new champion every second, from 0.5 s into the block
@@ -412,22 +424,21 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
                         next_version[0] += 1
 
                 publisher = threading.Thread(target=publish, daemon=True) if condition == "swaps" else None
-                swaps_before = next_version[0]
                 if publisher:
                     publisher.start()
                 with CpuWatch() as watch:
                     results = paced_load(server.url, per_block, args.rate, args.clients, lambda i: model_id)
                 stop.set()
-                watches[condition].append(watch)
                 if publisher:
                     publisher.join()
+                watches[condition].append(watch)
                 by_condition[condition] += results
-                served = sorted({r["version"] for r in results if r["version"] is not None})
-                say(f"  block {block + 1} {condition:8s}: {len(results)} requests, "
-                    f"p50 {pct(ok_ms(results), .5):.1f} ms "
-                    f"p95 {pct(ok_ms(results), .95):.1f} ms, {next_version[0] - swaps_before} versions published, "
-                    f"versions served {served[0] if served else '-'}..{served[-1] if served else '-'}; "
-                    f"other processes busy {watch.other:.2f} CPUs")
+                block_p95[condition].append(pct(ok_ms(results), .95))
+            if (pair + 1) % 5 == 0 or pair == pairs - 1:
+                a, b = ok_ms(by_condition["no_swaps"]), ok_ms(by_condition["swaps"])
+                say(f"  {pair + 1:2d}/{pairs} pairs: no swaps p50 {pct(a, .5):.1f} p95 {pct(a, .95):.1f} ms, "
+                    f"swaps p50 {pct(b, .5):.1f} p95 {pct(b, .95):.1f} ms ({len(published)} versions published); "
+                    f"other processes busy {mean_other(watches['no_swaps'][-5:] + watches['swaps'][-5:]):.2f} CPUs")
         # Publish → the first answer from that version (swap acknowledged under load).
         first_answer: dict[int, float] = {}
         for r in by_condition["swaps"]:
@@ -435,6 +446,13 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
             if v in published and (v not in first_answer or r["done_wall"] < first_answer[v]):
                 first_answer[v] = r["done_wall"]
         visible = [(first_answer[v] - published[v]) * 1000 for v in published if v in first_answer]
+        # Which requests of (b) a swap could touch: sent in the AFTER_PUBLISH_S after a publish.
+        times = sorted(published.values())
+        near = {True: [], False: []}
+        for r in by_condition["swaps"]:
+            if r["status"] == 200:
+                before = [t for t in times if t <= r["sent_wall"]]
+                near[bool(before) and r["sent_wall"] - before[-1] <= AFTER_PUBLISH_S].append(r["ms"])
         metrics = requests.get(f"{server.url}/metrics", timeout=10).text
         acked = re.search(r'streamtune_serve_swaps_total\{alias="champion"\} ([0-9.e+]+)', metrics)
         result = {"model_id": model_id, "requests_per_condition": {c: len(r) for c, r in by_condition.items()},
@@ -447,7 +465,14 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
                   "versions_served_in_swaps": len({r["version"] for r in by_condition["swaps"]}),
                   "champion_swaps_acknowledged": float(acked.group(1)) if acked else None,
                   "publish_to_first_answer_ms": stats(visible),
+                  "server_side_ms": {c: stats([x["server_ms"] for x in r if x["server_ms"] is not None])
+                                     for c, r in by_condition.items()},
+                  "swaps_sent_after_publish_ms": stats(near[True]), "swaps_sent_otherwise_ms": stats(near[False]),
                   "other_processes_cpus": {c: mean_other(w) for c, w in watches.items()},
+                  "blocks": {"pairs": pairs, "seconds": args.block_seconds, "requests_each": per_block,
+                             "p95_ms": block_p95},
+                  "paired_p95_ratio_median": statistics.median(
+                      b / a for a, b in zip(block_p95["no_swaps"], block_p95["swaps"])),
                   "server_ready_s": ready_s}
         result["p95_ratio"] = result["latency_ms"]["swaps"]["p95"] / result["latency_ms"]["no_swaps"]["p95"]
         result["p50_ratio"] = result["latency_ms"]["swaps"]["p50"] / result["latency_ms"]["no_swaps"]["p50"]
@@ -493,13 +518,14 @@ def measure_fleet(args, base: str, bootstrap: str, u: str, store, versions, tmp:
             cold_ids = [m for m in model_ids[:size] if m not in asked and m not in in_slot][:args.fleet_requests]
             asked |= set(cold_ids)
             hot, cold, watch_hot, watch_cold = [], [], [], []
-            per_hot, per_cold = math.ceil(args.fleet_requests / args.blocks), math.ceil(len(cold_ids) / args.blocks)
-            for block in range(args.blocks):  # hot and cold blocks alternate: drift hits both
-                with CpuWatch() as watch:
-                    hot += paced_load(server.url, min(per_hot, args.fleet_requests - len(hot)), args.rate,
-                                      args.clients, lambda i: hot_model)
-                watch_hot.append(watch)
-                todo = cold_ids[block * per_cold:(block + 1) * per_cold]
+            per_block = max(1, round(args.rate * args.block_seconds))
+            while len(hot) < args.fleet_requests or len(cold) < len(cold_ids):  # hot and cold blocks in turn
+                if len(hot) < args.fleet_requests:
+                    with CpuWatch() as watch:
+                        hot += paced_load(server.url, min(per_block, args.fleet_requests - len(hot)), args.rate,
+                                          args.clients, lambda i: hot_model)
+                    watch_hot.append(watch)
+                todo = cold_ids[len(cold):len(cold) + per_block]
                 if todo:
                     with CpuWatch() as watch:
                         cold += paced_load(server.url, len(todo), args.rate, args.clients, lambda i: todo[i])
@@ -548,7 +574,7 @@ def report(swap: dict, under_load: dict, fleet: list[dict], args) -> None:
     a, b = lat["no_swaps"], lat["swaps"]
     print()
     print(f"2. requests over HTTP to `streamtune serve` ({args.clients} client threads, {args.rate:g} requests/s, "
-          f"max_tokens {MAX_TOKENS}, blocks alternating)")
+          f"max_tokens {MAX_TOKENS}, {under_load['blocks']['pairs']} ABBA pairs of {args.block_seconds:g} s blocks)")
     other = under_load["other_processes_cpus"]
     print(f"   {'':44s} {'p50':>9s} {'p95':>9s} {'n':>6s}   other processes busy")
     print(f"   {'(a) no swaps':44s} {a['p50']:7.2f}ms {a['p95']:7.2f}ms {a['n']:6d}   {other['no_swaps']:.2f} CPUs")
@@ -556,7 +582,15 @@ def report(swap: dict, under_load: dict, fleet: list[dict], args) -> None:
           f"{other['swaps']:.2f} CPUs")
     print(f"   {'p95 (b) / (a)':44s} {under_load['p95_ratio']:8.3f}              ≤ {P95_RATIO_GOAL:.2f}: "
           f"{met(under_load['p95_ratio'] <= P95_RATIO_GOAL)}")
+    print(f"   {'p95 (b) / (a), median over block pairs':44s} {under_load['paired_p95_ratio_median']:8.3f}")
     print(f"   {'p50 (b) / (a)':44s} {under_load['p50_ratio']:8.3f}")
+    sa, sb = under_load["server_side_ms"]["no_swaps"], under_load["server_side_ms"]["swaps"]
+    print(f"   {'(a) inside the server (ServedModels.complete)':44s} {sa['p50']:7.2f}ms {sa['p95']:7.2f}ms")
+    print(f"   {'(b) inside the server (ServedModels.complete)':44s} {sb['p50']:7.2f}ms {sb['p95']:7.2f}ms")
+    near, far = under_load["swaps_sent_after_publish_ms"], under_load["swaps_sent_otherwise_ms"]
+    print(f"   {f'(b) sent ≤ {AFTER_PUBLISH_S * 1000:.0f} ms after a publish':44s} {near['p50']:7.2f}ms "
+          f"{near['p95']:7.2f}ms {near['n']:6d}")
+    print(f"   {'(b) the others':44s} {far['p50']:7.2f}ms {far['p95']:7.2f}ms {far['n']:6d}")
     v = under_load["publish_to_first_answer_ms"]
     print(f"   versions published during (b): {under_load['versions_published']}, served: "
           f"{under_load['versions_served_in_swaps']}; champion swaps acknowledged by the server: "
@@ -568,7 +602,7 @@ def report(swap: dict, under_load: dict, fleet: list[dict], args) -> None:
     print()
     print(f"3. models registered (--slots {SLOTS} --cpu-cache {CPU_CACHE}; {args.rate:g} requests/s, "
           f"{args.clients} client threads; hot = one model in a slot asked again and again, cold = each request a "
-          f"model never asked before and in no slot)")
+          f"model never asked before and in no slot, its version in the CPU cache: a slot copy in the request)")
     print(f"   {'models':>6s} {'RSS MiB':>8s} {'hot p50':>9s} {'hot p95':>9s} {'n':>5s} {'cold p50':>9s} "
           f"{'cold p95':>9s} {'n':>5s} {'all acked in':>12s} {'other busy':>11s}")
     for r in fleet:
@@ -591,9 +625,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200, help="repetitions of each swap / load measurement")
     parser.add_argument("--requests", type=int, default=600, help="requests per condition, with and without swaps")
     parser.add_argument("--fleet-requests", type=int, default=300, help="hot (and at most cold) requests per size")
-    parser.add_argument("--rate", type=float, default=25.0, help="requests per second, paced")
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per second, paced")
     parser.add_argument("--clients", type=int, default=4, help="client threads")
-    parser.add_argument("--blocks", type=int, default=4, help="alternating blocks per condition (with/without swaps)")
+    parser.add_argument("--block-seconds", type=float, default=2.0,
+                        help="conditions alternate in blocks this long (with/without swaps, hot/cold)")
     parser.add_argument("--models", default="1,100,1000", help="model counts, growing")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     args = parser.parse_args()

@@ -106,73 +106,42 @@ class AdapterFollower:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        consumer = None
-        while not self._stop.is_set():
-            try:
-                if consumer is None:
-                    consumer = self._consumer()
-                self._follow(consumer)
-            except Exception as e:  # a broker or MLflow outage: report, back off, go on
-                self._error(f"follower: {type(e).__name__}: {e}")
-                if consumer is not None:
-                    try:
-                        consumer.close()
-                    except Exception:
-                        pass
-                    consumer = None
-                self._stop.wait(1.0)
-        if consumer is not None:
-            consumer.close()
+        from connectors.kafka import create_topic, follow_topics
 
-    def _consumer(self):
-        from kafka import KafkaConsumer
-
-        # Assigned partitions, no group: every process reads every broadcast from the start.
-        return KafkaConsumer(bootstrap_servers=self.settings.bootstrap, enable_auto_commit=False,
-                             isolation_level="read_committed", consumer_timeout_ms=100,
-                             fetch_max_wait_ms=50, value_deserializer=None)
-
-    def _follow(self, consumer) -> None:
-        from kafka import TopicPartition
-
-        if self.settings.alias_topic:  # exists before the first move, so no move waits for a refresh
-            from connectors.kafka import create_topic
-            create_topic(self.settings.bootstrap, self.settings.alias_topic)
         pattern = re.compile(self.settings.topic_pattern)
-        assigned: set = set()
-        next_refresh = 0.0
-        idle_since: Optional[float] = None
-        while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_refresh:
-                topics = {t for t in consumer.topics() if pattern.fullmatch(t) or t == self.settings.alias_topic}
-                partitions = {TopicPartition(t, p) for t in topics for p in (consumer.partitions_for_topic(t) or ())}
-                new = partitions - assigned
-                if new:
-                    assigned |= new
-                    consumer.assign(sorted(assigned))
-                    consumer.seek_to_beginning(*new)
-                    idle_since = None
-                next_refresh = now + self.settings.topic_refresh_s
-            batch = consumer.poll(timeout_ms=50)
-            for tp, records in batch.items():
-                for record in records:
-                    if tp.topic == self.settings.alias_topic:
-                        self._on_alias_move(record.value)
-                    else:
-                        self._on_broadcast(record.value)
-            if not batch:
-                idle_since = idle_since or now
+        idle_since: list[Optional[float]] = [None]
+
+        def wanted(topic: str) -> bool:
+            return bool(pattern.fullmatch(topic)) or topic == self.settings.alias_topic
+
+        def on_record(topic: str, raw: bytes) -> None:
+            idle_since[0] = None
+            if topic == self.settings.alias_topic:
+                self._on_alias_move(raw)
             else:
-                idle_since = None
+                self._on_broadcast(raw)
+
+        def on_poll(got_records: bool) -> None:
+            now = time.monotonic()
+            if not got_records and idle_since[0] is None:
+                idle_since[0] = now
             if self.settings.tracking_uri and now - self.last_alias_poll >= self.settings.alias_poll_s:
                 self._poll_aliases()
-            if not self._caught_up.is_set() and idle_since is not None and now - idle_since >= 0.5:
+            if not self._caught_up.is_set() and idle_since[0] is not None and now - idle_since[0] >= 0.5:
                 if self.settings.tracking_uri:
                     self._poll_aliases()  # the registry's word, not the broadcasts', before ready
                 self._caught_up.set()
                 log.info("caught up: %d models, %d versions", len(self._versions),
                          sum(len(v) for v in self._versions.values()))
+
+        if self.settings.alias_topic:  # exists before the first move, so no move waits for a refresh
+            try:
+                create_topic(self.settings.bootstrap, self.settings.alias_topic)
+            except Exception as e:
+                self._error(f"follower: creating {self.settings.alias_topic}: {e}")
+        follow_topics(self.settings.bootstrap, wanted, on_record, self._stop, on_poll,
+                      on_error=lambda message: self._error(f"follower: {message}"),
+                      refresh_s=self.settings.topic_refresh_s)
 
     def _on_broadcast(self, raw: bytes) -> None:
         try:

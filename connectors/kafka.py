@@ -1,11 +1,14 @@
-"""Kafka helpers for processes outside Flink (registrar, CLI, tests): topics and bounded reads.
+"""Kafka helpers for processes outside Flink (registrar, CLI, servers, tests): topics, bounded
+reads, and following topics from their beginning.
 
 Flink jobs use the Java KafkaSource/KafkaSink (see jobs/); these helpers use kafka-python.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Callable
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
@@ -91,3 +94,46 @@ def _from_beginning(consumer: KafkaConsumer, topic: str, deadline: float) -> lis
     consumer.assign(tps)
     consumer.seek_to_beginning()
     return tps
+
+
+def follow_topics(bootstrap: str, wanted: Callable[[str], bool], on_record: Callable[[str, bytes], None],
+                  stop: threading.Event, on_poll: Callable[[bool], None] = lambda got_records: None,
+                  on_error: Callable[[str], None] = lambda message: None, refresh_s: float = 2.0) -> None:
+    """Read every topic `wanted` names, each from its beginning, until `stop` is set.
+
+    Partitions are assigned, with no consumer group: every process reads everything (the
+    broadcast and log topics are small and durable). Topics that appear later are picked up
+    within `refresh_s`. After each poll, `on_poll(got_records)` runs (for idle detection and
+    periodic work). A broker outage is reported through `on_error` and retried every second.
+    """
+    while not stop.is_set():
+        consumer = None
+        try:
+            consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                     isolation_level="read_committed", fetch_max_wait_ms=50)
+            assigned: set = set()
+            next_refresh = 0.0
+            while not stop.is_set():
+                if time.monotonic() >= next_refresh:
+                    partitions = {TopicPartition(t, p) for t in consumer.topics() if wanted(t)
+                                  for p in (consumer.partitions_for_topic(t) or ())}
+                    new = partitions - assigned
+                    if new:
+                        assigned |= new
+                        consumer.assign(sorted(assigned))
+                        consumer.seek_to_beginning(*new)
+                    next_refresh = time.monotonic() + refresh_s
+                batch = consumer.poll(timeout_ms=50)
+                for tp, records in batch.items():
+                    for record in records:
+                        on_record(tp.topic, record.value)
+                on_poll(bool(batch))
+        except Exception as e:  # a broker (or a callback's service) outage: report, back off, go on
+            on_error(f"{type(e).__name__}: {e}")
+            stop.wait(1.0)
+        finally:
+            if consumer is not None:
+                try:
+                    consumer.close()
+                except Exception:
+                    pass

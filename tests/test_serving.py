@@ -341,7 +341,7 @@ def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model
         create_topic(boot, t)
     by_version = {b.mlflow_version: b for b in trained["broadcasts"]}
     champion = max(b.mlflow_version for b in trained["broadcasts"] if "champion" in b.aliases)
-    pinned = min(by_version)
+    pinned = max(by_version)  # (another test tampers with the oldest non-champion version's artifact)
     asks = [{"request_id": "r-champion", "model": model_id, "prompt": PROMPTS[0], "max_tokens": 6},
             {"request_id": "r-pinned", "model": f"{model_id}/{pinned}", "prompt": PROMPTS[1], "max_tokens": 6},
             {"request_id": "r-base", "model": "base", "prompt": PROMPTS[2], "max_tokens": 6},

@@ -213,36 +213,12 @@ class OnlineGuard:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._follow()
-            except Exception as e:  # a broker or MLflow outage: report, back off, go on
-                log.warning("guard: %s: %s", type(e).__name__, e)
-                self._stop.wait(1.0)
+        from connectors.kafka import follow_topics
 
-    def _follow(self) -> None:
-        from kafka import KafkaConsumer, TopicPartition
-
-        consumer = KafkaConsumer(bootstrap_servers=self.settings.bootstrap, enable_auto_commit=False,
-                                 fetch_max_wait_ms=50)
-        try:
-            pattern, assigned, next_refresh = re.compile(self.settings.feedback_topics), set(), 0.0
-            while not self._stop.is_set():
-                if time.monotonic() >= next_refresh:
-                    topics = {t for t in consumer.topics()
-                              if t == self.settings.inference_log_topic or pattern.fullmatch(t)}
-                    new = {TopicPartition(t, p) for t in topics
-                           for p in (consumer.partitions_for_topic(t) or ())} - assigned
-                    if new:
-                        assigned |= new
-                        consumer.assign(sorted(assigned))
-                        consumer.seek_to_beginning(*new)
-                    next_refresh = time.monotonic() + 2.0
-                for tp, records in consumer.poll(timeout_ms=100).items():
-                    for record in records:
-                        self._on_record(tp.topic, record.value)
-        finally:
-            consumer.close()
+        pattern = re.compile(self.settings.feedback_topics)
+        follow_topics(self.settings.bootstrap,
+                      lambda t: t == self.settings.inference_log_topic or bool(pattern.fullmatch(t)),
+                      self._on_record, self._stop, on_error=lambda message: log.warning("guard: %s", message))
 
     def _on_record(self, topic: str, raw: bytes) -> None:
         try:
