@@ -110,10 +110,16 @@ def test_end_to_end_submit_feedback_version_promote_rollback(stack_config, base_
         while True:
             versions = client.get(f"/v1/models/{model_id}/versions")
             numbers = [v["version"] for v in versions.json()["versions"]] if versions.status_code == 200 else []
-            if len(numbers) >= 2:
+            if len(numbers) >= 3:  # three windows of 2 s; the closer's own window stays open
                 break
-            assert time.monotonic() < deadline, f"fewer than 2 versions registered: {versions.text}"
+            assert time.monotonic() < deadline, f"fewer than 3 versions registered: {versions.text}"
             time.sleep(1)
+        # The job moves aliases as it registers: promote only once all three are broadcast
+        # (registered, aliases moved), or its last move races ours.
+        from core.messages import AdapterVersionBroadcast
+        from streamtune.testing import wait_for_records
+        assert len(wait_for_records(stack_config.kafka_bootstrap, f"{topic}.adapter-versions",
+                                    AdapterVersionBroadcast, 3, 60)) >= 3
         status = client.get(f"/v1/stream-finetune/{model_id}").json()
         assert status["job_state"] == "RUNNING" and status["config_version"] == body["config_version"]
         assert status["last_version"]["version"] == numbers[-1] and status["last_window"] is not None
