@@ -151,10 +151,6 @@ class AdapterPool:
         with self.lock:
             return list(self._slot_of)
 
-    def cached(self) -> int:
-        with self.lock:
-            return len(self._cpu)
-
     def activate(self, version_key: str) -> str | None:
         """Make `version_key` the active adapter, copying it into a slot if need be.
 

@@ -9,7 +9,6 @@ is acknowledged no response comes from the version it replaced, and none mixes t
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -54,7 +53,6 @@ class Answer:
     version: Optional[int]
     alias: Optional[str]
     arm: str
-    sha256: Optional[str]
     latency_ms: float
     audit_trace: list = field(default_factory=list)
 
@@ -65,10 +63,8 @@ class ServedModels:
         self.pool = AdapterPool(settings.base_model, slots=settings.slots, cpu_cache=settings.cpu_cache,
                                 max_rank=settings.max_rank)
         self.routes: dict[str, dict[str, int]] = {}          # acknowledged: model_id -> alias -> version
-        self.acknowledged_at: dict[tuple[str, str], float] = {}
         self.refused: dict[tuple[str, int], str] = {}
         self.fractions: dict[str, float] = {}
-        self._fetching = threading.Lock()
         self.registry = CollectorRegistry()
         self.requests = Counter("streamtune_serve_requests", "Requests by model, arm and outcome",
                                 ["model_id", "arm", "status"], registry=self.registry)
@@ -130,13 +126,11 @@ class ServedModels:
         if version is None:  # deleted in the registry (a rolled-back candidate): no more traffic
             with self.pool.lock:
                 self.routes.get(model_id, {}).pop(alias, None)
-                self.acknowledged_at[(model_id, alias)] = time.time()
             log.info("%s@%s removed", model_id, alias)
             return
         key = self._ensure_loaded(model_id, version)  # raises: the route stays where it was
         with self.pool.lock:
             self.routes.setdefault(model_id, {})[alias] = version
-            self.acknowledged_at[(model_id, alias)] = time.time()
             if alias == "champion":
                 self.pool.activate(key)  # hot before the first request that needs it
                 self.swap_seconds.set(self.pool.last_swap_seconds)
@@ -191,8 +185,7 @@ class ServedModels:
         self.requests.labels(name.model_id, arm, "ok").inc()
         self.latency.labels(arm).observe(latency)
         broadcast = self.follower.version(name.model_id, version) if version is not None else None
-        answer = Answer(generation, request_id, name.model_id, version, alias, arm,
-                        broadcast.sha256 if broadcast else None, round(latency * 1000, 3))
+        answer = Answer(generation, request_id, name.model_id, version, alias, arm, round(latency * 1000, 3))
         answer.audit_trace = [
             {"stage": "routing", "arm": arm, "alias": alias, "candidate_fraction": self.fraction(name.model_id),
              "sticky_key": "user" if user else "request_id"},
