@@ -20,6 +20,7 @@ from pyflink.datastream.state import ValueStateDescriptor
 
 from core.messages import (ChangeOrigin, FeedbackSample, FinetuneSpec, Lineage, RetrainTrigger, Retraction,
                            VersionMetrics, VersionRecord)
+from operators.counters import FunctionCounters
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
 
@@ -70,14 +71,13 @@ class FinetuneFunction(KeyedProcessFunction):
         self.seq = state("seq")            # versions emitted so far
         self.last_trigger = state("last_trigger")  # window_end of the last retrain trigger applied
         self.retracted = state("retracted")  # origins of CDC rows retracted since the last version
-        metrics = runtime_context.get_metrics_group()
-        self.windows_fired = metrics.counter("windows_fired")
-        self.unknown_dead_lettered = metrics.counter("unknown_model_dead_lettered")
-        self.triggers_ignored = metrics.counter("triggers_ignored")
-        self.row_counters = {n: metrics.counter(n) for n in ("samples_superseded", "samples_retracted")}
+        self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
+            "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
+            "samples_superseded", "samples_retracted"))
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
+        self.counters.enter_element()
         kind, model_id, body, topic, partition, offset, ts = value
         if kind == "config":
             yield from self._on_config(body, ctx)
@@ -138,12 +138,12 @@ class FinetuneFunction(KeyedProcessFunction):
         cfg, pending = self.config.value(), self.pending.value() or []
         last = self.last_trigger.value()
         if trigger.window_end is not None and last is not None and trigger.window_end <= last:
-            self.triggers_ignored.inc()  # a redelivered trigger (they are sent at least once)
+            self.counters.inc("triggers_ignored")  # a redelivered trigger (they are sent at least once)
             return
         if trigger.window_end is not None:
             self.last_trigger.update(trigger.window_end)
         if cfg is None or not pending:
-            self.triggers_ignored.inc()  # nothing to train: a trigger is not a sample
+            self.counters.inc("triggers_ignored")  # nothing to train: a trigger is not a sample
             return
         spec = FinetuneSpec.from_json(cfg["spec"])
         batch = sorted(pending, key=lambda s: s.order)
@@ -161,7 +161,7 @@ class FinetuneFunction(KeyedProcessFunction):
 
     def _without_row(self, pending: list[Pending], row_key: str, counter: str) -> list[Pending]:
         kept = [p for p in pending if p.row_key != row_key]
-        self.row_counters[counter].inc(len(pending) - len(kept))
+        self.counters.inc(counter, len(pending) - len(kept))
         return kept
 
     def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
@@ -187,7 +187,7 @@ class FinetuneFunction(KeyedProcessFunction):
             self.grace.clear()
             if self.config.value() is None:
                 for s in self.pending.value() or []:
-                    self.unknown_dead_lettered.inc()
+                    self.counters.inc("unknown_model_dead_lettered")
                     yield DLQ_TAG, dead_letter(
                         "unknown_model", f"no config for model_id {model_id} within the "
                         f"{self.settings.unknown_model_grace_ms} ms grace period",
@@ -240,7 +240,8 @@ class FinetuneFunction(KeyedProcessFunction):
         retracted = [ChangeOrigin.from_dict(o) for o in self.retracted.value() or []]
         self.retracted.clear()
         origins = [_lineage_origin(s) for s in batch if s.row_key]
-        self.windows_fired.inc()
+        self.counters.inc("windows_fired")
+        self.counters.inc("samples_trained", len(batch))
         # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).
         return VersionRecord(
             version_id=version_id, model_id=model_id, seq=seq, window_start=start, window_end=end,

@@ -29,6 +29,7 @@ from pyflink.datastream.state import ValueStateDescriptor
 
 from core.errors import ArtifactIntegrityError, InvalidMessage
 from core.messages import VersionRecord
+from operators.counters import FunctionCounters
 from operators.validate import DLQ_TAG, dead_letter
 
 log = logging.getLogger("streamtune.registration")
@@ -71,12 +72,12 @@ class RegistrationFunction(KeyedProcessFunction):
         self.store = ArtifactStore(self.artifact_store, self.tracking_uri)
         self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
         self.retry = runtime_context.get_state(ValueStateDescriptor("retry", Types.PICKLED_BYTE_ARRAY()))
-        metrics = runtime_context.get_metrics_group()
-        self.counters = {name: metrics.counter(name) for name in (
-            "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries")}
+        self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
+            "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries"))
 
     def process_element(self, value, ctx):
-        self.counters["versions_in"].inc()
+        self.counters.enter_element()
+        self.counters.inc("versions_in")
         self.queue.update((self.queue.value() or []) + [tuple(value[1:])])
         if self.retry.value() is None:  # else a retry is pending: keep the model's order
             yield from self._drain(ctx)
@@ -98,12 +99,12 @@ class RegistrationFunction(KeyedProcessFunction):
                 mv, created = register_version(self.client, record, self.store)
                 broadcast = broadcast_for(record, mv)
             except ArtifactIntegrityError as e:
-                self.counters["integrity_failures"].inc()
+                self.counters.inc("integrity_failures")
                 log.error("version %s not registered: %s", record.version_id, e)
                 yield DLQ_TAG, dead_letter("artifact_integrity", str(e), payload, topic, partition, offset, ts,
                                            "version", record.model_id)
             except Exception as e:  # MLflow or the store unreachable: retry later, in order
-                self.counters["registration_retries"].inc()
+                self.counters.inc("registration_retries")
                 wait = min(max(backoff_ms * 2, RETRY_FIRST_MS), RETRY_MAX_MS)
                 log.warning("registering %s failed (%s: %s); retrying in %d ms", record.version_id,
                             type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", wait)
@@ -112,7 +113,7 @@ class RegistrationFunction(KeyedProcessFunction):
                 ctx.timer_service().register_processing_time_timer(due)
                 break
             else:
-                self.counters["registered" if created else "already_registered"].inc()
+                self.counters.inc("registered" if created else "already_registered")
                 yield broadcast.to_json()
             queue = queue[1:]
             self.queue.update(queue)

@@ -19,7 +19,7 @@ from core.messages import DeadLetter, FeedbackSample, RetrainTrigger, VersionRec
 from connectors.artifact_store import ArtifactStore
 from streamtune.testing import job_args, job_topics, records_read, spec, spec_fields, wait_for, wait_for_records
 from streamtune.feedback import digit_samples, send_config, send_raw, send_samples
-from streamtune.stack.flink import cancel_job, job_state, submit_detached
+from streamtune.stack.flink import cancel_job, job_counters, job_state, submit_detached
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.finetune
@@ -114,7 +114,7 @@ def scenario(stack_config, base_model, tmp_path_factory):
                                     timeout=180)
         dlq = wait_for_records(stack_config.kafka_bootstrap, topics["dlq"], DeadLetter, len(bad_offsets) + 3,
                                timeout=60)
-        yield {"topics": topics, "models": models, "artifacts": artifacts, "samples": samples, "bad_offsets": bad_offsets,
+        yield {"job": job, "topics": topics, "models": models, "artifacts": artifacts, "samples": samples, "bad_offsets": bad_offsets,
                "versions": versions, "dlq": dlq, "closers": closers}
     finally:
         cancel_job(stack_config, job)
@@ -168,6 +168,29 @@ def test_counts_reconcile_every_valid_sample_in_exactly_one_version(scenario):
     records_in = len(scenario["samples"]) + len(scenario["closers"]) + len(scenario["bad_offsets"])
     dead_lettered = len(scenario["dlq"])
     assert records_in == len(lineage) + len(pending) + dead_lettered
+
+
+def test_job_counters_reconcile_with_what_was_sent(scenario, stack_config):
+    """The running job's own Flink counters (REST metrics), not counts the test derives."""
+    sent = {"samples": len(scenario["samples"]) + len(scenario["closers"]), "configs": 3,
+            "malformed": len(scenario["bad_offsets"])}
+    trained = sum(len(v.lineage.sample_ids) for v in scenario["versions"])
+    expected = {"validate.records_in": sum(sent.values()), "validate.valid": sent["samples"] + sent["configs"],
+                "validate.dead_lettered": sent["malformed"], "lora-trainer.samples_trained": trained,
+                "lora-trainer.windows_fired": len(scenario["versions"]),
+                "lora-trainer.unknown_model_dead_lettered": 3}
+    counters: dict[str, int] = {}
+
+    def caught_up() -> bool:  # Flink publishes metrics every few seconds
+        counters.update(job_counters(stack_config.flink_rest_url, scenario["job"]))
+        return all(counters.get(k) == v for k, v in expected.items())
+
+    try:
+        wait_for(caught_up, 60, "the job's counters")
+    finally:
+        assert {k: counters.get(k) for k in expected} == expected
+    unknown = counters["lora-trainer.unknown_model_dead_lettered"]
+    assert counters["validate.valid"] - sent["configs"] == trained + unknown + len(scenario["closers"])
 
 
 def test_demo_champion_lifts_held_out_exact_match(stack_config):

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import requests
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from connectors.kafka import create_topic
 from core.errors import ServiceUnavailable, StreamtuneError
 from core.messages import Message
 from streamtune.stack.config import StackConfig
-from streamtune.stack.flink import flink_cli, submit_detached
+from streamtune.stack.flink import flink_cli, job_counters, submit_detached
 from streamtune.stack.process import StackError
 
 from .models import VersionInfo
@@ -144,6 +144,14 @@ class StackGateway:
         m = re.search(r"Savepoint completed\. Path: (\S+)", r.stdout)
         return m.group(1) if m else None
 
+    def job_counters(self, job_id: str) -> dict[str, int]:
+        """The job's Flink counters (`<operator>.<counter>`); {} when they cannot be read
+        (status counters are best effort)."""
+        try:
+            return job_counters(self.stack.flink_rest_url, job_id)
+        except (requests.RequestException, ValueError, KeyError):
+            return {}
+
     def _flink_get(self, path: str) -> dict:
         """GET from Flink's REST API; {} for 404."""
         url = self.stack.flink_rest_url
@@ -176,23 +184,6 @@ class StackGateway:
                 f.get(timeout=30)
         except Exception as e:
             raise StackUnavailable(f"producing to Kafka topic {topic} failed: {type(e).__name__}: {e}")
-
-    def end_offsets(self, topic: str) -> Optional[int]:
-        """The topic's end offsets summed over its partitions; None when they cannot be read
-        (status counters are best effort)."""
-        try:
-            consumer = KafkaConsumer(bootstrap_servers=self.stack.kafka_bootstrap, request_timeout_ms=10000)
-        except Exception:
-            return None
-        try:
-            partitions = consumer.partitions_for_topic(topic)
-            if not partitions:
-                return None
-            return sum(consumer.end_offsets([TopicPartition(topic, p) for p in partitions]).values())
-        except Exception:
-            return None
-        finally:
-            consumer.close()
 
     def _kafka_producer(self) -> KafkaProducer:
         with self._producer_lock:

@@ -67,12 +67,18 @@ class Window(BaseModel):
 
 
 class Counters(BaseModel):
-    in_: Optional[int] = Field(default=None, alias="in", description="feedback topic end offsets (job-wide)")
-    dlq: Optional[int] = Field(default=None, description="DLQ topic end offsets (job-wide, upper bound)")
-    versions: Optional[int] = Field(default=None, description="versions topic end offsets (job-wide, upper bound)")
-    trained_samples: Optional[int] = Field(default=None, description="samples in the model's MLflow versions")
-
-    model_config = ConfigDict(populate_by_name=True)
+    """The job's own counters since its last (re)start, read from its Flink metrics (job-wide:
+    every model on the topic shares the job); None when the job is not running.
+    `records_in` = `valid` + `dead_lettered`; valid samples end in `samples_trained`,
+    `unknown_model_dead_lettered`, or a window still open."""
+    records_in: Optional[int] = Field(default=None, description="records read (samples, configs, triggers)")
+    valid: Optional[int] = Field(default=None, description="records that passed validation")
+    dead_lettered: Optional[int] = Field(default=None, description="records rejected by validation (DLQ)")
+    samples_trained: Optional[int] = Field(default=None, description="samples in fired windows")
+    windows_fired: Optional[int] = Field(default=None, description="versions emitted by the trainer")
+    unknown_model_dead_lettered: Optional[int] = Field(default=None, description="samples without a config in time")
+    registered: Optional[int] = Field(default=None, description="versions registered in MLflow by the job")
+    trained_samples: Optional[int] = Field(default=None, description="samples in this model's MLflow versions")
 
 
 class StatusResponse(BaseModel):

@@ -200,10 +200,13 @@ def status(model_id: ModelIdPath, actor: Reader, plane: Plane):
     except (StackUnavailable, MlflowNotFound):
         versions = []
     last = versions[-1] if versions else None
-    topics = data["jobs"].get(topic, {}).get("topics") or job_topics(topic)
-    counters = Counters(in_=plane.gateway.end_offsets(topics["feedback"]),
-                        dlq=plane.gateway.end_offsets(topics["dlq"]),
-                        versions=plane.gateway.end_offsets(topics["versions"]),
+    job = plane.gateway.job_counters(job_id) if job_state == "RUNNING" else {}
+    counters = Counters(records_in=job.get("validate.records_in"), valid=job.get("validate.valid"),
+                        dead_lettered=job.get("validate.dead_lettered"),
+                        samples_trained=job.get("lora-trainer.samples_trained"),
+                        windows_fired=job.get("lora-trainer.windows_fired"),
+                        unknown_model_dead_lettered=job.get("lora-trainer.unknown_model_dead_lettered"),
+                        registered=job.get("register-versions.registered"),
                         trained_samples=sum(v.samples or 0 for v in versions) if versions else None)
     window = Window(start=last.window_start, end=last.window_end) \
         if last and last.window_start is not None and last.window_end is not None else None

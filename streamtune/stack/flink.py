@@ -174,6 +174,27 @@ def job_state(config, job_id: str) -> str:
     return requests.get(f"{config.flink_rest_url}/jobs/{job_id}", timeout=5).json()["state"]
 
 
+def job_counters(rest_url: str, job_id: str) -> dict[str, int]:
+    """The job's own counters (`<operator>.<counter>`, e.g. `validate.records_in`), summed over
+    subtasks, from Flink's REST metrics. Counters count since the job's last (re)start, and
+    Flink refreshes them every few seconds (`metrics.fetcher.update-interval`).
+
+    Streamtune's counters are snake_case; Flink's own (numRecordsIn, …) are camelCase and left out.
+    """
+    import re
+
+    counters: dict[str, int] = {}
+    job = requests.get(f"{rest_url}/jobs/{job_id}", timeout=5).json()
+    for vertex in job.get("vertices", []):
+        base = f"{rest_url}/jobs/{job_id}/vertices/{vertex['id']}/subtasks/metrics"
+        names = [m["id"] for m in requests.get(base, timeout=5).json()]
+        ours = [n for n in names if re.fullmatch(r"[\w-]+\.[a-z][a-z0-9_]*", n)]
+        if ours:
+            for m in requests.get(base, params={"get": ",".join(ours), "agg": "sum"}, timeout=5).json():
+                counters[m["id"]] = counters.get(m["id"], 0) + int(m["sum"])
+    return counters
+
+
 def cancel_job(config, job_id: str) -> None:
     """Cancel a job (its retained checkpoints stay); a job already ended is left as it is."""
     requests.patch(f"{config.flink_rest_url}/jobs/{job_id}", params={"mode": "cancel"}, timeout=10)

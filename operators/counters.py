@@ -1,0 +1,55 @@
+"""A function's Flink counters, which also count what happens in `on_timer`.
+
+PyFlink 2.0.2 runs `on_timer` outside the operator's metrics scope (`process_timer` in
+pyflink/fn_execution/beam/beam_operations_*.py has no `scoped_process_state`, unlike
+`process`), so a counter incremented there is silently dropped: windows closed by the
+watermark and samples dead-lettered when a grace period ends never reached the job's metrics.
+The scope current while an element is processed is the operator's own: `FunctionCounters`
+remembers it and re-enters it for increments made from timers. Increments made before the
+first element (timers fired on restore) are held and added then.
+
+Outside a Flink worker (no Beam state tracker) the counters simply count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from typing import Iterable
+
+
+def _current_scope():
+    from apache_beam.runners.worker import statesampler
+
+    tracker = statesampler.get_current_tracker()
+    return tracker.current_state() if tracker is not None else None
+
+
+class FunctionCounters:
+    """Counters `names` of one function's metric group; call `enter_element()` first thing in
+    `process_element`, `inc(name)` anywhere."""
+
+    def __init__(self, metric_group, names: Iterable[str]):
+        self._counters = {name: metric_group.counter(name) for name in names}
+        self._scope = None
+        self._held: Tally[str] = Tally()
+
+    def enter_element(self) -> None:
+        if self._scope is None:
+            self._scope = _current_scope()
+            if self._scope is not None:
+                for name, n in self._held.items():
+                    self._counters[name].inc(n)
+                self._held.clear()
+
+    def inc(self, name: str, n: int = 1) -> None:
+        counter = self._counters[name]
+        if self._scope is None:
+            if _current_scope() is None:  # not in a Flink worker
+                counter.inc(n)
+            else:
+                self._held[name] += n  # a timer before the first element: counted at that element
+        elif _current_scope() is self._scope:
+            counter.inc(n)
+        else:
+            with self._scope:  # entered only from outside: it restores the state it replaced
+                counter.inc(n)
