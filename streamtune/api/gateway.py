@@ -144,13 +144,13 @@ class StackGateway:
         m = re.search(r"Savepoint completed\. Path: (\S+)", r.stdout)
         return m.group(1) if m else None
 
-    def job_counters(self, job_id: str) -> dict[str, int]:
-        """The job's Flink counters (`<operator>.<counter>`); {} when they cannot be read
-        (status counters are best effort)."""
+    def job_counters(self, job_id: str) -> Optional[dict[str, int]]:
+        """The job's Flink counters (`<operator>.<counter>`; one never incremented is absent);
+        None when they cannot be read (status counters are best effort)."""
         try:
             return job_counters(self.stack.flink_rest_url, job_id)
         except (requests.RequestException, ValueError, KeyError):
-            return {}
+            return None
 
     def _flink_get(self, path: str) -> dict:
         """GET from Flink's REST API; {} for 404."""

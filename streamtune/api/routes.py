@@ -200,13 +200,14 @@ def status(model_id: ModelIdPath, actor: Reader, plane: Plane):
     except (StackUnavailable, MlflowNotFound):
         versions = []
     last = versions[-1] if versions else None
-    job = plane.gateway.job_counters(job_id) if job_state == "RUNNING" else {}
-    counters = Counters(records_in=job.get("validate.records_in"), valid=job.get("validate.valid"),
-                        dead_lettered=job.get("validate.dead_lettered"),
-                        samples_trained=job.get("lora-trainer.samples_trained"),
-                        windows_fired=job.get("lora-trainer.windows_fired"),
-                        unknown_model_dead_lettered=job.get("lora-trainer.unknown_model_dead_lettered"),
-                        registered=job.get("register-versions.registered"),
+    job = plane.gateway.job_counters(job_id) if job_state == "RUNNING" else None
+    counter = (lambda name: job.get(name, 0)) if job is not None else (lambda name: None)
+    counters = Counters(records_in=counter("validate.records_in"), valid=counter("validate.valid"),
+                        dead_lettered=counter("validate.dead_lettered"),
+                        samples_trained=counter("lora-trainer.samples_trained"),
+                        windows_fired=counter("lora-trainer.windows_fired"),
+                        unknown_model_dead_lettered=counter("lora-trainer.unknown_model_dead_lettered"),
+                        registered=counter("register-versions.registered"),
                         trained_samples=sum(v.samples or 0 for v in versions) if versions else None)
     window = Window(start=last.window_start, end=last.window_end) \
         if last and last.window_start is not None and last.window_end is not None else None
