@@ -302,6 +302,55 @@ def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_tw
     assert len(mvs) >= 20
 
 
+@pytest.mark.slow
+@pytest.mark.guarantees
+def test_taskmanager_killed_while_training_loses_nothing_trains_nothing_twice(stack_config, cluster_job, unique):
+    """kill -9 of the TaskManager after a window's closing sample reached the trainer and before
+    its version was emitted (a long step: 100 epochs), with the window before it checkpointed;
+    the window is trained again from that checkpoint: every sample in exactly one version,
+    each version registered once, in order."""
+    import signal
+
+    from streamtune.stack.flink import Flink
+    from streamtune.testing import records_read
+
+    topics, _, start = cluster_job
+    job = start()
+    boot, model_id, t0 = stack_config.kafka_bootstrap, f"trainkill-{unique}", 1_774_000_000_000
+    send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2,
+                                              training={"lr": 0.01, "micro_batch_size": 8, "epochs": 100}), t0)
+    pairs = digit_pairs(120, seed=21)
+    # 2 s windows of 30 samples: the first sample of each window closes the one before.
+    windows = [digit_samples(model_id, pairs[w * 30:(w + 1) * 30], t0 + w * 2000, 2000 / 30, f"w{w}-")
+               for w in range(4)]
+    send_samples(boot, topics["feedback"], windows[0] + windows[1])
+    wait_for_records(boot, topics["versions"], VersionRecord, 1, 120)  # window 0 trained and checkpointed
+    send_samples(boot, topics["feedback"], windows[2])  # closes window 1: its long step starts
+    flink, client = Flink(stack_config), mlflow_client(stack_config)
+    wait_for(lambda: records_read(stack_config, job, "lora-trainer") >= 1 + 60 + 1, 60,
+             "window 1's closing sample to reach the trainer", interval=0.1)
+    (victim,) = flink.taskmanager_pids()
+    os.kill(victim, signal.SIGKILL)
+    flink.start_taskmanager()
+    wait_for(lambda: victim not in flink.taskmanager_pids() and flink.taskmanager_pids(), 30, "a new TaskManager")
+    wait_for(lambda: _restarted(stack_config, job), 120, "the job to run again after the restart")
+    restored = requests.get(f"{stack_config.flink_rest_url}/jobs/{job}/checkpoints", timeout=5).json()["latest"]
+    assert restored.get("restored"), "the restart restored a checkpoint"
+    send_samples(boot, topics["feedback"], windows[3][:1])  # closes window 2
+
+    versions = sorted(wait_for_records(boot, topics["versions"], VersionRecord, 3, 240), key=lambda v: v.seq)
+    mvs = wait_for(lambda: (r := registered(client, model_id)) and len(r) >= 3 and r, 120, "3 registered versions")
+    # The kill fell before window 1's version was emitted: no copy of it from the killed run
+    # exists, even among records of aborted transactions.
+    every_copy = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False)
+    assert sorted(v.seq for v in every_copy) == [1, 2, 3], \
+        f"the killed run emitted nothing after window 0 (window 1's step took {versions[1].metrics})"
+    assert [set(v.lineage.sample_ids) for v in versions] == [{s.sample_id for s in w} for w in windows[:3]], \
+        "each window trained whole, once, none lost"
+    assert [int(mv.tags["streamtune.seq"]) for mv in mvs] == [1, 2, 3]
+    assert [mv.tags["streamtune.version_id"] for mv in mvs] == [v.version_id for v in versions]
+
+
 def _restarted(stack_config, job_id: str) -> bool:
     """The job runs again after at least one restart (Flink's REST job details)."""
     details = requests.get(f"{stack_config.flink_rest_url}/jobs/{job_id}", timeout=5).json()
