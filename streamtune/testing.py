@@ -145,6 +145,19 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def wait_past_window(bootstrap: str, topic: str, window_ms: int, captured: Callable[[list], bool],
+                     timeout: float = 60) -> None:
+    """Until the records on `topic` satisfy `captured`, then until the wall clock has passed the
+    end of the event-time window of the newest of them. CDC event time is commit time: a change
+    committed after this returns falls in a later window than every change captured so far."""
+    from connectors.kafka import read_topic
+
+    records = wait_for(lambda: (r := read_topic(bootstrap, topic, timeout=10, idle=0.5, read_committed=False))
+                       and captured(r) and r, timeout, f"the changes to reach {topic}", interval=0.2)
+    end = (max(r.timestamp for r in records) // window_ms + 1) * window_ms
+    wait_for(lambda: time.time() * 1000 >= end, timeout, f"the window ending at {end} to pass", interval=0.05)
+
+
 class InMemoryValue:
     """Flink's ValueState reduced to a variable: to call an operator's process_element directly."""
 

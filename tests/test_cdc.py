@@ -20,7 +20,7 @@ from kafka import KafkaProducer
 
 from core.messages import AdapterVersionBroadcast, ChangeEnvelope, ChangeOrigin, DeadLetter, VersionRecord
 from streamtune.stack.postgres import Postgres
-from streamtune.testing import CaptureProcess, cdc_spec, psql, wait_for, wait_for_records
+from streamtune.testing import CaptureProcess, cdc_spec, psql, wait_for, wait_for_records, wait_past_window
 from connectors.kafka import create_topic, read_topic
 from streamtune.feedback import send_config
 from streamtune.local_job import LocalJob
@@ -108,7 +108,7 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         bad.close()
 
         # Start just after a window boundary: the first changes below must share one window.
-        time.sleep((2000 - time.time() * 1000 % 2000) / 1000 + 0.05)
+        wait_for(lambda: time.time() * 1000 % 2000 < 200, 3, "a 2 s window to begin", interval=0.01)
         approved = ", ".join(f"({i}, '{pg_model}', 'x={i}0;y=', '{i}1', 'approved')" for i in range(1, 7))
         psql(dsn, f"INSERT INTO {answers} VALUES {approved}, (7, '{pg_model}', 'x=7;y=', '8', 'draft'),"
                   f"(8, '{pg_model}', 'x=8;y=', NULL, 'approved')")  # 7 filtered out; 8 has no completion
@@ -116,7 +116,10 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
         psql(dsn, f"DELETE FROM {answers} WHERE id = 2")            # retracts row 2 before it trains
         for i in range(4):
             mongo[db].reviews.insert_one({"_id": i, "text": f"review {i}", "reply": {"body": f"thanks {i}"}})
-        time.sleep(2.5)  # the next changes fall in a later window: the first windows close
+        # The next changes fall in a later window, so the first windows close: 10 row changes
+        # and the bad record, 4 documents.
+        wait_past_window(boot, topics["pg"], 2000, lambda records: len(records) >= 11)
+        wait_past_window(boot, topics["mongo"], 2000, lambda records: len(records) >= 4)
         psql(dsn, f"INSERT INTO {answers} VALUES (9, '{pg_model}', 'x=9;y=', '10', 'approved')")
         mongo[db].reviews.insert_one({"_id": 9, "text": "review 9", "reply": {"body": "thanks 9"}})
 
@@ -238,7 +241,14 @@ def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config
         done.set()
         writer.join()
         n = written[0]
-        time.sleep(2.5)  # the closer row below falls in a later window and closes the others
+
+        def every_row(key: str):
+            return lambda records: set(range(1, n + 1)) <= {ChangeEnvelope.from_json(r.value).after[key]
+                                                            for r in records}
+
+        # The closer row below falls in a later window than every written row: it closes the others.
+        wait_past_window(boot, topics["pg"], 2000, every_row("id"))
+        wait_past_window(boot, topics["mongo"], 2000, every_row("_id"))
         psql(dsn, f"INSERT INTO {table} VALUES ({n + 1}, 'closer', 'closer')")
         mongo[db].docs.insert_one({"_id": n + 1, "q": "closer", "a": "closer"})
 
