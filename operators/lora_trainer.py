@@ -9,6 +9,13 @@ which is what makes a replay after a crash produce the same version.
     trainer = LoraTrainer.for_base("/models/tiny-llama")
     result = trainer.step("m1", spec.adapter_config, spec.training, None, samples, seed=7)
     result.files["adapter_model.safetensors"]  # bytes, identical on replay
+    trainer.evaluate("m1", spec.adapter_config, spec.training, eval_samples)       # the live adapter
+    trainer.evaluate("m1", champion_adapter, spec.training, eval_samples, champion_lora)  # saved weights
+
+`replay` samples (operators/quality.py) train beside the window's own; the losses in the
+metrics stay those of the window's samples. Gradient accumulation (`flush_every`
+micro-batches per optimizer step) normalises each micro-batch by the weight of its whole
+accumulation group, so it gives the update of one batch `flush_every` times the size.
 """
 
 from __future__ import annotations
@@ -80,10 +87,12 @@ class LoraTrainer:
         return _BASES[key]
 
     # -- adapters -----------------------------------------------------------------------
-    def _activate(self, model_id: str, adapter: AdapterConfig) -> tuple[str, list[tuple[str, torch.nn.Parameter]]]:
+    def _activate(self, model_id: str, adapter: AdapterConfig,
+                  role: str = "m") -> tuple[str, list[tuple[str, torch.nn.Parameter]]]:
+        """The adapter slot of `model_id` ("m": the one it trains; "c": where a champion is scored)."""
         from peft import LoraConfig, get_peft_model
 
-        name = "m" + hashlib.sha1(f"{model_id}|{adapter.model_dump_json()}".encode()).hexdigest()[:12]
+        name = role + hashlib.sha1(f"{model_id}|{adapter.model_dump_json()}".encode()).hexdigest()[:12]
         config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
                             target_modules=list(adapter.target_modules), task_type="CAUSAL_LM", bias="none")
         if self.model is None:
@@ -99,12 +108,12 @@ class LoraTrainer:
 
     # -- one step -----------------------------------------------------------------------
     def step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
-             samples: list, seed: int) -> StepResult:
+             samples: list, seed: int, replay: list = ()) -> StepResult:
         with self._lock:
-            return self._step(model_id, adapter, training, state, samples, seed)
+            return self._step(model_id, adapter, training, state, samples, seed, replay)
 
     def _step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
-              samples: list, seed: int) -> StepResult:
+              samples: list, seed: int, replay: list = ()) -> StepResult:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         started = time.perf_counter()
@@ -124,11 +133,11 @@ class LoraTrainer:
         for group in optimizer.param_groups:  # a hot config may change the learning rate
             group["lr"] = training.lr
 
-        examples = [encode_example(self.tokenizer, s.prompt, s.completion, training.max_seq_len) for s in samples]
-        weights = [float(s.weight) for s in samples]
-        tokens = sum(len(e["input_ids"]) for e in examples)
+        examples, weights = self._encode(samples, training)
+        replayed, replay_weights = self._encode(replay, training)
+        tokens = sum(len(e["input_ids"]) for e in examples + replayed)
         loss_before = self._mean_loss(examples, weights, training)
-        self._train(examples, weights, training, optimizer, seed)
+        self._train(examples + replayed, weights + replay_weights, training, optimizer, seed)
         loss_after = self._mean_loss(examples, weights, training)
 
         lora = {k: v.detach().to("cpu").clone().contiguous()
@@ -149,7 +158,56 @@ class LoraTrainer:
                    "sha256": sha256},
             files=files, sha256=sha256, fresh_adapter=fresh,
             metrics={"loss_before": loss_before, "loss_after": loss_after, "samples": len(samples),
-                     "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4)})
+                     "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4),
+                     **({"replayed": len(replay)} if replay else {})})
+
+    def _encode(self, samples: list, training: TrainingConfig) -> tuple[list, list]:
+        return ([encode_example(self.tokenizer, s.prompt, s.completion, training.max_seq_len) for s in samples],
+                [float(s.weight) for s in samples])
+
+    # -- evaluation -----------------------------------------------------------------------
+    def evaluate(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, samples: list,
+                 lora: bytes | None = None) -> dict:
+        """{"exact_match", "loss"} of an adapter on `samples` (unweighted): the adapter `model_id`
+        trains as it stands now, or, given `lora` (adapter_model.safetensors bytes), those
+        weights loaded into a scoring slot beside it. Deterministic on the CPU."""
+        with self._lock:
+            from peft import set_peft_model_state_dict
+
+            torch.manual_seed(0)
+            if lora is None:
+                self._activate(model_id, adapter)
+            else:
+                name, _ = self._activate(model_id, adapter, role="c")
+                set_peft_model_state_dict(self.model, load_safetensors(lora), adapter_name=name)
+            examples = [encode_example(self.tokenizer, s.prompt, s.completion, training.max_seq_len) for s in samples]
+            loss = self._mean_loss(examples, [1.0] * len(examples), training)
+            return {"exact_match": round(self._exact_match(samples, training), 6), "loss": loss}
+
+    @torch.no_grad()
+    def _exact_match(self, samples: list, training: TrainingConfig, batch_size: int = 64) -> float:
+        """Share of samples whose greedy continuation (up to eos) equals the completion."""
+        if not samples:
+            return 0.0
+        self.model.eval()
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        pad = eos if pad is None else pad
+        hits = 0
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start:start + batch_size]
+            prompts = [self.tokenizer(s.prompt)["input_ids"][-training.max_seq_len:] for s in chunk]
+            targets = [s.completion.strip() for s in chunk]
+            new_tokens = 1 + max(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in targets)
+            width = max(len(p) for p in prompts)  # left-padded: every prompt ends where generation starts
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+            with self._autocast(training):
+                out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                          do_sample=False, eos_token_id=eos, pad_token_id=pad)
+            for row, target in zip(out[:, width:].tolist(), targets):
+                row = row[:row.index(eos)] if eos in row else row
+                hits += self.tokenizer.decode(row, skip_special_tokens=True).strip() == target
+        return hits / len(samples)
 
     def _reset_adapter(self, name: str, seed: int) -> None:
         torch.manual_seed(seed)
@@ -162,15 +220,17 @@ class LoraTrainer:
             batch = collate(examples[i:i + size], self.tokenizer.pad_token_id)
             yield {k: v.to(self.device) for k, v in batch.items()}, torch.tensor(weights[i:i + size], device=self.device)
 
-    def _loss(self, batch: dict, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted mean over samples of each sample's mean token loss."""
+    def _loss(self, batch: dict, weights: torch.Tensor, total_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted mean over samples of each sample's mean token loss (over `total_weight`
+        when given: the weight of a whole accumulation group)."""
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logits, labels = logits[:, :-1].float(), batch["labels"][:, 1:]
         per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
                                                       reduction="none")
         mask = (labels != -100).float()
         per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return (per_sample * weights).sum() / weights.sum().clamp(min=1e-8)
+        total = weights.sum() if total_weight is None else total_weight
+        return (per_sample * weights).sum() / total.clamp(min=1e-8)
 
     def _autocast(self, training: TrainingConfig):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.precision)
@@ -192,23 +252,21 @@ class LoraTrainer:
         self.model.train()
         scaler = torch.amp.GradScaler(enabled=training.precision == "fp16" and self.device.type == "cuda")
         optimizer.zero_grad(set_to_none=True)
-        pending = 0
+        micro_batches = []
         for epoch in range(training.epochs):
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
             ex, ws = [examples[i] for i in order], [weights[i] for i in order]
-            for batch, w in self._batches(ex, ws, training.micro_batch_size):
-                if float(w.sum()) == 0.0:
-                    continue  # all rejected: nothing to learn from this micro-batch
+            micro_batches += [(batch, w) for batch, w in self._batches(ex, ws, training.micro_batch_size)
+                              if float(w.sum()) != 0.0]  # all rejected: nothing to learn from it
+        for first in range(0, len(micro_batches), training.flush_every):
+            group = micro_batches[first:first + training.flush_every]
+            # Each micro-batch's weighted loss sum over the whole group's weight: the group's
+            # gradients add up to those of one batch holding all its samples.
+            group_weight = sum(w.sum() for _, w in group)
+            for batch, w in group:
                 with self._autocast(training):
-                    loss = self._loss(batch, w) / training.flush_every
+                    loss = self._loss(batch, w, group_weight)
                 scaler.scale(loss).backward()
-                pending += 1
-                if pending == training.flush_every:
-                    scaler.step(optimizer)
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-                    pending = 0
-        if pending:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

@@ -10,6 +10,20 @@ The seed's example is the smallest valid spec:
 ...     "trigger_policy": {"min_samples_per_window": 50, "window_seconds": 60}})
 >>> spec.source_id, spec.kafka_topic, spec.training.micro_batch_size
 ('kafka:user_feedback_v3', 'user_feedback_v3', 8)
+
+Learning quality is opt-in: without `evaluation` the registrar's loss rule promotes (a
+version becomes `champion` when its loss_after is no worse than the champion's); with it,
+the trainer scores each version and the champion on held-out data and decides
+(operators/quality.py). `replay` mixes older samples into each step:
+
+>>> q = spec.model_copy(update={"evaluation": EvaluationConfig(holdout_fraction=0.2, forgetting_tolerance=0.05),
+...                             "replay": ReplayConfig(buffer_size=256, ratio=1.0)})
+>>> q.evaluation.metric, q.evaluation.recent_size, q.replay.ratio, q.spec_hash() != spec.spec_hash()
+('exact_match', 64, 1.0, True)
+>>> EvaluationConfig.from_dict({"tolerance": 0.1})
+Traceback (most recent call last):
+...
+core.errors.InvalidMessage: (root): Value error, evaluation needs an eval set: holdout_fraction > 0, eval_uri, or both
 """
 
 from __future__ import annotations
@@ -65,6 +79,42 @@ class TrainingConfig(Message):
     epochs: int = Field(default=1, ge=1, le=100, description="passes over each window's samples")
 
 
+class EvaluationConfig(Message):
+    """Held-out evaluation and the promotion gate (operators/quality.py applies it).
+
+    Eval sets: `recent` (the newest held-out samples, FIFO), `retained` (held-out samples
+    that left `recent`: the forgetting guard's older data, a reservoir) and `fixed` (the
+    JSONL file at eval_uri). A version is promoted when, on every non-empty set, it is not
+    worse than the champion by more than `tolerance` (recent, fixed) or
+    `forgetting_tolerance` (retained), in the metric's units. With no eval data yet, the
+    loss rule decides, as without this section.
+    """
+
+    # Chosen by a hash of sample_id (of the row, for CDC samples): held out on every replay, never trained.
+    holdout_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    # JSONL of {"prompt", "completion"} per line: a local path or file:// URI, read by every worker.
+    eval_uri: Optional[str] = Field(default=None, pattern=r"^(file://)?/")
+    metric: Literal["exact_match", "loss"] = "exact_match"  # exact_match: greedy decoding equals the completion
+    recent_size: int = Field(default=64, ge=1, le=10_000)
+    retained_size: int = Field(default=256, ge=0, le=10_000)
+    fixed_size: int = Field(default=256, ge=1, le=10_000)  # lines of eval_uri used (a hash sample beyond it)
+    tolerance: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    forgetting_tolerance: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _has_eval_set(self) -> "EvaluationConfig":
+        if self.holdout_fraction == 0.0 and self.eval_uri is None:
+            raise ValueError("evaluation needs an eval set: holdout_fraction > 0, eval_uri, or both")
+        return self
+
+
+class ReplayConfig(Message):
+    """A per-model reservoir of trained samples, `ratio` of them replayed per new sample in each step."""
+
+    buffer_size: int = Field(default=512, ge=1, le=100_000)
+    ratio: float = Field(default=1.0, gt=0.0, le=16.0)
+
+
 class FinetuneSpec(Message):
     model_id: str = Field(pattern=MODEL_ID)
     stream_source: str
@@ -73,6 +123,8 @@ class FinetuneSpec(Message):
     base_model: Optional[str] = None
     training: TrainingConfig = TrainingConfig()
     seed: int = 0
+    evaluation: Optional[EvaluationConfig] = None
+    replay: Optional[ReplayConfig] = None
 
     @field_validator("stream_source")
     @classmethod
@@ -95,5 +147,9 @@ class FinetuneSpec(Message):
         return source.topic if isinstance(source, KafkaSource) else None
 
     def spec_hash(self) -> str:
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        fields = self.model_dump(mode="json")
+        for optional in ("evaluation", "replay"):  # absent sections leave the hash of older specs as it was
+            if fields[optional] is None:
+                del fields[optional]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

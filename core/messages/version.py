@@ -8,6 +8,13 @@ idempotent by version_id. `seq` counts a model's versions from 1 with no gap.
 >>> r = VersionRecord.model_validate(EXAMPLE)
 >>> r.seq, r.metrics.loss_after, r.lineage.offsets[0].last, VersionRecord.from_json(r.to_json()) == r
 (1, 0.5, 9, True)
+
+With the spec's `evaluation` section the trainer adds its promotion decision, with the
+numbers it compared (records without `gate` stay valid: the registrar's loss rule applies):
+
+>>> g = VersionRecord.model_validate({**EXAMPLE, "gate": GATE_EXAMPLE}).gate
+>>> g.promote, g.rule, [(s.name, s.candidate.exact_match, s.champion.exact_match, s.passed) for s in g.sets]
+(False, 'eval', [('recent', 0.9, 0.1, True), ('retained', 0.2, 1.0, False)])
 """
 
 from __future__ import annotations
@@ -28,6 +35,35 @@ class VersionMetrics(Message):
     tokens: int = Field(ge=0)
     step_seconds: float = Field(ge=0)
     operator_seconds: Optional[float] = None  # the whole operator step: state in, training, artifact out
+    replayed: Optional[int] = None  # older samples from the replay buffer trained beside `samples`
+
+
+class EvalScore(Message):
+    exact_match: float = Field(ge=0.0, le=1.0)
+    loss: float
+
+
+class EvalSetResult(Message):
+    """One eval set, the new version and the champion scored on the same samples."""
+
+    name: Literal["recent", "retained", "fixed"]
+    size: int = Field(ge=1)
+    candidate: EvalScore
+    champion: Optional[EvalScore] = None  # none yet
+    tolerance: float
+    passed: bool
+
+
+class GateDecision(Message):
+    """Whether this version becomes `champion`, decided in the trainer (the same on replay)."""
+
+    promote: bool
+    # first_version: no champion yet; eval: the eval sets decided; loss: no eval data yet, loss_after decided.
+    rule: Literal["first_version", "eval", "loss"]
+    reason: str
+    metric: Literal["exact_match", "loss"]
+    champion_version_id: Optional[str] = None  # the champion it was compared with
+    sets: list[EvalSetResult] = []
 
 
 class OffsetRange(Message):
@@ -42,6 +78,7 @@ class Lineage(Message):
     offsets: list[OffsetRange]
     origins: Optional[list[ChangeOrigin]] = None    # CDC: the change each sample came from
     retracted: Optional[list[ChangeOrigin]] = None  # CDC: rows retracted since the last version
+    held_out: Optional[list[str]] = None  # samples that joined the eval sets since the last version (never trained)
 
 
 class VersionRecord(Message):
@@ -62,6 +99,7 @@ class VersionRecord(Message):
     metrics: VersionMetrics
     lineage: Lineage
     trigger: Literal["window", "max_samples", "forced"]
+    gate: Optional[GateDecision] = None  # with the spec's evaluation section: the promotion decision
 
 
 EXAMPLE = {
@@ -74,4 +112,13 @@ EXAMPLE = {
     "lineage": {"sample_ids": [f"s{i}" for i in range(10)],
                 "offsets": [{"topic": "feedback", "partition": 0, "first": 0, "last": 9}]},
     "trigger": "window",
+}
+
+GATE_EXAMPLE = {
+    "promote": False, "rule": "eval", "metric": "exact_match", "champion_version_id": "bot@0#0:0-0:9",
+    "reason": "worse than champion bot@0#0:0-0:9 on retained (forgetting guard): exact_match 0.2 < 1.0 - 0.05",
+    "sets": [{"name": "recent", "size": 16, "candidate": {"exact_match": 0.9, "loss": 0.3},
+              "champion": {"exact_match": 0.1, "loss": 2.0}, "tolerance": 0.0, "passed": True},
+             {"name": "retained", "size": 64, "candidate": {"exact_match": 0.2, "loss": 1.9},
+              "champion": {"exact_match": 1.0, "loss": 0.1}, "tolerance": 0.05, "passed": False}],
 }
