@@ -6,11 +6,16 @@ version gets its own run (params, metrics, `adapter/` artifacts, `lineage.json`)
 metrics also go, with step=seq, to a long-lived run `<model_id>-training` in the experiment
 `streamtune/<model_id>`: that run holds the loss curve across versions.
 
-Aliases: `candidate` always points at the newest registered version; `champion` moves when
-there is none yet or when the new version's loss_after <= the champion's tag
-`streamtune.loss_after`. MLflow has no compare-and-set on aliases: two registrars racing on
-one model could each move champion; only one registrar per model (Kafka key = model_id)
-is assumed.
+Aliases: `candidate` always points at the newest registered version. `champion` moves as
+the trainer's promotion gate decided when the record carries one (`gate`, from the spec's
+`evaluation` section: operators/quality.py); the decision, its reason and the eval scores go
+on the version's tags (`streamtune.gate`, `streamtune.gate_reason`, `streamtune.eval.<set>.*`)
+and its run's metrics (`eval_<set>_<metric>`, `champion_eval_<set>_<metric>`). Without a gate,
+the fallback loss rule: champion moves when there is none yet or when the new version's
+loss_after <= the champion's tag `streamtune.loss_after` (two versions' losses are measured
+on their own windows, so this rule cannot see forgetting). MLflow has no compare-and-set on
+aliases: two registrars racing on one model could each move champion; only one registrar per
+model (Kafka key = model_id) is assumed.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
     seq, metrics = record.seq, record.metrics
     now = int(time.time() * 1000)
     metric_rows = [Metric(k, float(getattr(metrics, k)), now, seq) for k in METRICS]
+    metric_rows += [Metric(k, v, now, seq) for k, v in gate_metrics(record).items()]
     adapter = record.adapter
     run = client.create_run(experiment_id, run_name=version_id, tags={
         f"{TAG}version_id": version_id, f"{TAG}model_id": model_id, f"{TAG}seq": str(seq)})
@@ -106,6 +112,7 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
         "samples": metrics.samples, "seq": seq, "config_version": record.config_version,
         "fresh_adapter": record.fresh_adapter, "rank": adapter.rank,
         "target_modules": ",".join(adapter.target_modules), "loss_after": metrics.loss_after,
+        **gate_tags(record),
     }
     # create_model_version waits (await_creation_for=300 s) until the status is READY.
     mv = client.create_model_version(model_id, f"runs:/{run_id}/adapter", run_id,
@@ -114,10 +121,52 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
         raise RuntimeError(f"model version {model_id} v{mv.version} ended in status {mv.status}")
 
     _set_alias(client, model_id, "candidate", mv.version)
-    champion = client.get_registered_model(model_id).aliases.get("champion")
-    if champion is None or metrics.loss_after <= _loss_after(client, model_id, champion):
+    if record.gate is not None:
+        promote = record.gate.promote  # decided in the trainer, on the same eval data for both versions
+    else:
+        champion = client.get_registered_model(model_id).aliases.get("champion")
+        promote = champion is None or metrics.loss_after <= _loss_after(client, model_id, champion)
+    if promote:
         _set_alias(client, model_id, "champion", mv.version)
     return client.get_model_version(model_id, mv.version), True
+
+
+def gate_tags(record: VersionRecord) -> dict[str, str]:
+    """The gate's decision and numbers as version tags (without the `streamtune.` prefix).
+
+    >>> from core.messages.version import EXAMPLE, GATE_EXAMPLE
+    >>> tags = gate_tags(VersionRecord.model_validate({**EXAMPLE, "gate": GATE_EXAMPLE}))
+    >>> tags["gate"], tags["eval.retained.exact_match"], tags["eval.retained.champion_exact_match"]
+    ('refused', '0.2', '1.0')
+    """
+    gate = record.gate
+    if gate is None:
+        return {}
+    tags = {"gate": "promoted" if gate.promote else "refused", "gate_rule": gate.rule,
+            "gate_reason": gate.reason[:4000], "gate_metric": gate.metric}  # MLflow caps tag values at 5000
+    if gate.champion_version_id:
+        tags["gate_champion"] = gate.champion_version_id
+    for s in gate.sets:
+        prefix = f"eval.{s.name}."
+        tags.update({prefix + "size": str(s.size), prefix + "tolerance": str(s.tolerance), prefix + "passed": str(s.passed),
+                     prefix + "exact_match": str(s.candidate.exact_match), prefix + "loss": str(s.candidate.loss)})
+        if s.champion is not None:
+            tags.update({prefix + "champion_exact_match": str(s.champion.exact_match),
+                         prefix + "champion_loss": str(s.champion.loss)})
+    return tags
+
+
+def gate_metrics(record: VersionRecord) -> dict[str, float]:
+    """Eval scores as run metrics (step = seq): curves of the versions and of their champions."""
+    rows = {}
+    for s in record.gate.sets if record.gate else ():
+        for who, score in (("", s.candidate), ("champion_", s.champion)):
+            if score is not None:
+                rows[f"{who}eval_{s.name}_exact_match"] = score.exact_match
+                rows[f"{who}eval_{s.name}_loss"] = score.loss
+    if record.gate is not None:
+        rows["promoted"] = float(record.gate.promote)
+    return rows
 
 
 def broadcast_for(record: VersionRecord, mv: ModelVersion) -> AdapterVersionBroadcast:

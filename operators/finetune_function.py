@@ -5,22 +5,29 @@ Everything a restore needs lives in keyed state: the config in force, the pendin
 the adapter and optimizer state, the version sequence. A fired window yields one version
 record; the job sends it through an exactly-once Kafka sink, so it becomes visible only
 when the checkpoint holding the matching state completes.
+
+Learning quality (operators/quality.py), in keyed state too: the champion the trainer last
+promoted (a reference to its artifact), and with the spec's sections the eval sets and the
+replay buffer. With `evaluation`, a window's held-out samples join the eval sets instead of
+training, and the new version and the champion are scored on the same eval sets before the
+record goes out with the decision (`gate`), so a replay decides the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction, TimeDomain
 from pyflink.datastream.state import ValueStateDescriptor
 
-from core.messages import (ChangeOrigin, FeedbackSample, FinetuneSpec, Lineage, RetrainTrigger, Retraction,
-                           VersionMetrics, VersionRecord)
+from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSample, FinetuneSpec, Lineage,
+                           RetrainTrigger, Retraction, VersionMetrics, VersionRecord)
 from operators.counters import FunctionCounters
+from operators.quality import Kept, QualityState, SetScores, decide, draw_replay, is_held_out, load_fixed
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
 
@@ -71,9 +78,11 @@ class FinetuneFunction(KeyedProcessFunction):
         self.seq = state("seq")            # versions emitted so far
         self.last_trigger = state("last_trigger")  # window_end of the last retrain trigger applied
         self.retracted = state("retracted")  # origins of CDC rows retracted since the last version
+        self.quality = state("quality")      # QualityState: champion, eval sets, replay buffer
+        self.champion_files: dict[str, bytes] = {}  # sha256 -> adapter weights, read once from the store
         self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
             "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
-            "samples_superseded", "samples_retracted"))
+            "samples_superseded", "samples_retracted", "samples_held_out", "kept_samples_retracted", "versions_promoted", "versions_refused"))
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
@@ -114,7 +123,7 @@ class FinetuneFunction(KeyedProcessFunction):
         batch, pending = capped_batch(pending, spec.trigger_policy.max_samples_per_step)
         if batch:
             end = window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
-            yield self._fire(ctx.get_current_key(), spec, cfg, batch, end, "max_samples")
+            yield from self._fire(ctx.get_current_key(), spec, cfg, batch, end, "max_samples")
         self.pending.update(pending)
         if not pending:
             self.timer.clear()
@@ -150,13 +159,19 @@ class FinetuneFunction(KeyedProcessFunction):
         end = trigger.window_end or window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
         self.pending.clear()
         self.timer.clear()
-        yield self._fire(ctx.get_current_key(), spec, cfg, batch, max(end, batch[-1].ts + 1), "forced")
+        yield from self._fire(ctx.get_current_key(), spec, cfg, batch, max(end, batch[-1].ts + 1), "forced")
 
     def _on_retract(self, retraction: Retraction) -> None:
-        """A deleted (or no longer matching) row: drop its untrained sample; name it in the
-        next version's lineage, so consumers of replay and eval sets can drop it too."""
+        """A deleted (or no longer matching) row: drop its untrained sample, and the row from
+        the eval sets and the replay buffer; name it in the next version's lineage."""
         self.pending.update(self._without_row(self.pending.value() or [], retraction.row_key,
                                               "samples_retracted"))
+        quality = self.quality.value()
+        if quality is not None:
+            quality, dropped = quality.without_row(retraction.row_key)
+            if dropped:
+                self.quality.update(quality)
+                self.counters.inc("kept_samples_retracted", dropped)
         self.retracted.update((self.retracted.value() or []) + [retraction.origin.to_dict()])
 
     def _without_row(self, pending: list[Pending], row_key: str, counter: str) -> list[Pending]:
@@ -209,7 +224,7 @@ class FinetuneFunction(KeyedProcessFunction):
         while pending and end is not None and end <= up_to:
             batch, pending = due_batch(pending, end, spec.trigger_policy.min_samples_per_window)
             if batch:
-                yield self._fire(model_id, spec, cfg, batch, end, "window")
+                yield from self._fire(model_id, spec, cfg, batch, end, "window")
             newer = [s.ts for s in pending if s.ts >= end]
             end = window_end(min(newer) if newer else end, size)
             if not newer:
@@ -221,19 +236,44 @@ class FinetuneFunction(KeyedProcessFunction):
             self.timer.clear()
 
     # -- a training step ------------------------------------------------------------------
-    def _fire(self, model_id: str, spec: FinetuneSpec, cfg: dict, batch: list[Pending], end: int,
-              trigger: str) -> str:
+    def _fire(self, model_id: str, spec: FinetuneSpec, cfg: dict, batch: list[Pending], end: int, trigger: str):
+        """Train the window's samples (less those held out) into a version record, yielded;
+        nothing when every sample was held out (they wait in the eval sets)."""
         from operators.lora_trainer import LoraTrainer
 
         started = time.perf_counter()
+        quality: QualityState = self.quality.value() or QualityState()
+        evaluation, replay = spec.evaluation, spec.replay
+        held = [s for s in batch if evaluation and is_held_out(s.sample_id, s.row_key, evaluation.holdout_fraction)]
+        if held:
+            quality = quality.with_held_out([_kept(s) for s in held], evaluation.recent_size, evaluation.retained_size)
+            self.counters.inc("samples_held_out", len(held))
+            held_ids = {s.sample_id for s in held}
+            batch = [s for s in batch if s.sample_id not in held_ids]
+            if not batch:
+                self.quality.update(quality)
+                return
         start = min(window_start(end, spec.trigger_policy.window_seconds), batch[0].ts)
         version_id = version_id_for(model_id, end, batch)
         seed = (int(hashlib.sha256(version_id.encode()).hexdigest()[:8], 16) + spec.seed) % (2 ** 31)
         base = spec.base_model or self.settings.default_base_model
         trainer = LoraTrainer.for_base(base)
-        result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed)
+        replayed = draw_replay(quality.replay, len(batch), replay.ratio, seed) if replay else []
+        result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
+                              replay=replayed)
         # Written before the state moves on; a replay writes the same bytes under the same name.
         artifact = self.store.put(result.files, result.sha256)
+        gate = self._gate(trainer, model_id, spec, quality, result.metrics["loss_after"]) if evaluation else None
+        if gate.promote if gate else _loss_rule(quality.champion, result.metrics["loss_after"]):
+            quality = replace(quality, champion={
+                "version_id": version_id, "artifact_uri": artifact, "sha256": result.sha256,
+                "adapter": spec.adapter_config.to_json(), "loss_after": result.metrics["loss_after"]})
+        if gate:
+            self.counters.inc("versions_promoted" if gate.promote else "versions_refused")
+        if replay:
+            quality = quality.with_trained(batch, replay.buffer_size)
+        held_out = list(quality.held_out_ids)
+        self.quality.update(replace(quality, held_out_ids=()))
         seq = (self.seq.value() or 0) + 1
         self.adapter.update(result.state)
         self.seq.update(seq)
@@ -243,13 +283,50 @@ class FinetuneFunction(KeyedProcessFunction):
         self.counters.inc("windows_fired")
         self.counters.inc("samples_trained", len(batch))
         # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).
-        return VersionRecord(
+        yield VersionRecord(
             version_id=version_id, model_id=model_id, seq=seq, window_start=start, window_end=end,
             artifact_uri=artifact, sha256=result.sha256, base_model=trainer.base_dir,
             config_version=cfg["version"], fresh_adapter=result.fresh_adapter,
             adapter=spec.adapter_config, trigger_policy=spec.trigger_policy,
             metrics=VersionMetrics(**result.metrics, operator_seconds=round(time.perf_counter() - started, 4)),
             lineage=Lineage(sample_ids=[s.sample_id for s in batch], offsets=offset_ranges(batch),
-                            origins=origins or None, retracted=retracted or None),
-            trigger=trigger,
+                            origins=origins or None, retracted=retracted or None, held_out=held_out or None),
+            trigger=trigger, gate=gate,
         ).to_json()
+
+    def _gate(self, trainer, model_id: str, spec: FinetuneSpec, quality: QualityState, loss_after: float):
+        """Score the new version (the trainer's live adapter) and the champion on the same eval sets."""
+        evaluation, problems = spec.evaluation, []
+        sets = {"recent": list(quality.recent), "retained": list(quality.retained)}
+        if evaluation.eval_uri:
+            try:
+                sets["fixed"] = load_fixed(evaluation.eval_uri, evaluation.fixed_size)
+            except (OSError, ValueError) as e:
+                problems.append(f"fixed eval set {evaluation.eval_uri} unreadable ({type(e).__name__}: {e})")
+        sets = {name: samples for name, samples in sets.items() if samples}
+        scores = [SetScores(name, len(samples), EvalScore(**trainer.evaluate(
+            model_id, spec.adapter_config, spec.training, samples))) for name, samples in sets.items()]
+        champion = quality.champion
+        if champion is not None and scores and not problems:
+            lora = self._champion_weights(champion)
+            adapter = AdapterConfig.from_json(champion["adapter"])
+            for s in scores:
+                s.champion = EvalScore(**trainer.evaluate(model_id, adapter, spec.training, sets[s.name], lora))
+        return decide(evaluation, scores, champion, loss_after, problems)
+
+    def _champion_weights(self, champion: dict) -> bytes:
+        sha = champion["sha256"]
+        if sha not in self.champion_files:
+            if len(self.champion_files) >= 64:  # one per model is what is read again
+                self.champion_files.pop(next(iter(self.champion_files)))
+            self.champion_files[sha] = self.store.get(champion["artifact_uri"], sha)["adapter_model.safetensors"]
+        return self.champion_files[sha]
+
+
+def _kept(p: Pending) -> Kept:
+    return Kept(p.sample_id, p.prompt, p.completion, p.weight, p.row_key)
+
+
+def _loss_rule(champion: dict | None, loss_after: float) -> bool:
+    """Without evaluation the registrar promotes by this rule; the trainer follows it to know the champion."""
+    return champion is None or loss_after <= champion["loss_after"]
