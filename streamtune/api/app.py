@@ -1,12 +1,14 @@
 """The REST control plane (FastAPI). Start it with `streamtune api --host H --port P`.
 
-The endpoints are in `streamtune.api.routes`, their bodies in `streamtune.api.models`, the
-calls to Flink, Kafka and MLflow in `streamtune.api.gateway`, the jobs file and promotion
-log in `streamtune.api.jobs_file`.
+The endpoints are in `streamtune.api.routes` and `streamtune.api.pipelines`, their bodies in
+`streamtune.api.models`, the calls to Flink, Kafka and MLflow in `streamtune.api.gateway`,
+the jobs file and promotion log in `streamtune.api.jobs_file`, the CDC captures it runs in
+`streamtune.api.captures`.
 """
 
 import contextlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,9 +21,14 @@ from core import defaults
 from core.errors import ConfigError
 from streamtune.stack.config import StackConfig
 
+from .captures import CaptureSupervisor
 from .gateway import StackGateway
 from .jobs_file import JobsFile, PromotionLog
+from .pipelines import resume_captures
+from .pipelines import router as pipelines_router
 from .routes import EXCEPTION_HANDLERS, ControlPlane, router
+
+log = logging.getLogger("streamtune.api")
 
 JOB_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "stream_finetune.py"
 
@@ -84,6 +91,16 @@ class ApiSettings:
         return cls(token=read_token(token_file), **kwargs)
 
 
+def capture_env(stack: StackConfig) -> dict[str, str]:
+    """The environment of the captures: the API's own, with the stack's PostgreSQL user and
+    password as libpq defaults where PGUSER / PGPASSWORD are not set (pipelines hold no
+    credentials)."""
+    env = dict(os.environ)
+    env.setdefault("PGUSER", stack.postgres_user)
+    env.setdefault("PGPASSWORD", stack.postgres_password)
+    return env
+
+
 class BodyLimit:
     """ASGI middleware: 413 for a body over `max_bytes` (declared or streamed)."""
 
@@ -138,9 +155,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
                             "--tracking-uri", settings.stack.mlflow_uri, *settings.extra_job_args],
                            settings.flink_timeout_s)
 
+    captures = CaptureSupervisor(settings.stack.home / "api" / "captures", capture_env(settings.stack))
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        try:
+            resume_captures(app.state.control_plane)
+        except Exception as e:  # a pipeline on record that no longer validates must not keep the API down
+            log.error("resuming the pipelines' captures failed: %s", e)
         yield
+        captures.close()
         gateway.close()
 
     app = FastAPI(title="streamtune control plane", version="1", lifespan=lifespan,
@@ -148,7 +172,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.control_plane = ControlPlane(gateway=gateway, jobs=JobsFile(settings.jobs_file),
                                            promotions=PromotionLog(settings.promotion_log), token=settings.token,
                                            read_auth=settings.read_auth,
-                                           max_feedback_batch=settings.max_feedback_batch)
+                                           max_feedback_batch=settings.max_feedback_batch,
+                                           captures=captures, pipelines_dir=settings.stack.home / "api" / "pipelines")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(router)
+    app.include_router(pipelines_router)
     return app

@@ -6,6 +6,9 @@
     streamtune versions MODEL          GET  /v1/models/MODEL/versions
     streamtune promote MODEL VERSION   POST /v1/models/MODEL/aliases {alias: champion, version}
     streamtune stop MODEL              DELETE /v1/stream-finetune/MODEL
+    streamtune apply -f pipeline.yaml [--dry-run]   POST /v1/pipelines (YAML or JSON)
+    streamtune delete -f pipeline.yaml              DELETE /v1/pipelines/NAME
+    streamtune get pipelines [NAME]                 GET /v1/pipelines[/NAME]
 
 The client commands take --url (default $STREAMTUNE_API_URL or http://127.0.0.1:8000) and
 the token from --token-file or $STREAMTUNE_API_TOKEN. They print the JSON answer on stdout.
@@ -89,6 +92,31 @@ def cmd_submit(args) -> int:
     return call(args, "POST", "/v1/stream-finetune", spec)
 
 
+def read_pipeline(path: str) -> dict:
+    """A pipeline file (YAML or JSON) as the API's body; ConfigError when unreadable."""
+    import yaml
+
+    try:
+        body = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read pipeline {path}: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("model_id"), str):
+        raise ConfigError(f"{path}: a pipeline is a mapping with a model_id (see `streamtune.pipeline`)")
+    return body
+
+
+def cmd_apply(args) -> int:
+    return call(args, "POST", "/v1/pipelines" + ("?dry_run=true" if args.dry_run else ""), read_pipeline(args.file))
+
+
+def cmd_delete(args) -> int:
+    return call(args, "DELETE", f"/v1/pipelines/{read_pipeline(args.file)['model_id']}")
+
+
+def cmd_get(args) -> int:
+    return call(args, "GET", "/v1/pipelines" + (f"/{args.name}" if args.name else ""))
+
+
 def reporting_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """`command`, with a StreamtuneError printed as one line on stderr and its exit code returned."""
     def run(args: argparse.Namespace) -> int:
@@ -102,7 +130,8 @@ def reporting_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
 
 
 def add_parsers(subparsers) -> None:
-    """Add api, submit, status, versions, promote and stop to a `streamtune` subparsers object."""
+    """Add api, submit, status, versions, promote, stop, apply, delete and get to a `streamtune`
+    subparsers object."""
     p = subparsers.add_parser("api", help="run the REST control plane (FastAPI, uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -137,6 +166,25 @@ def add_parsers(subparsers) -> None:
     p.add_argument("model")
     _client_options(p)
     p.set_defaults(func=reporting_errors(lambda a: call(a, "DELETE", f"/v1/stream-finetune/{a.model}")))
+
+
+    p = subparsers.add_parser("apply", help="create or update a pipeline from a file (idempotent; prints the diff)")
+    p.add_argument("-f", "--file", required=True, help="pipeline YAML or JSON")
+    p.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
+    _client_options(p)
+    p.set_defaults(func=reporting_errors(cmd_apply))
+
+    p = subparsers.add_parser("delete", help="delete the pipeline a file names: job stopped with a savepoint, "
+                                             "capture stopped")
+    p.add_argument("-f", "--file", required=True, help="pipeline YAML or JSON")
+    _client_options(p)
+    p.set_defaults(func=reporting_errors(cmd_delete))
+
+    p = subparsers.add_parser("get", help="list pipelines (or one) with their job and capture state")
+    p.add_argument("what", choices=["pipelines"])
+    p.add_argument("name", nargs="?")
+    _client_options(p)
+    p.set_defaults(func=reporting_errors(cmd_get))
 
 
 def main(argv: list[str] | None = None) -> int:

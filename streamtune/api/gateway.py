@@ -26,6 +26,7 @@ from streamtune.stack.process import StackError
 from .models import VersionInfo
 
 # Flink job states in which a job still serves (or is about to serve) its topic.
+CDC_JOB_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "cdc_retrain.py"
 LIVE_STATES = {"CREATED", "INITIALIZING", "RUNNING", "RESTARTING", "RECONCILING"}
 # What running the `flink` command line raises when it cannot run or does not finish.
 FLINK_CLI_ERRORS = (StackError, subprocess.SubprocessError, OSError)
@@ -127,6 +128,24 @@ class StackGateway:
                 "--job-name", job_name(topic), *self.job_args]
         try:
             return submit_detached(self.stack, self.job_script, args)
+        except FLINK_CLI_ERRORS as e:
+            raise StackUnavailable(f"submitting the job to Flink failed: {str(e).strip().splitlines()[0][:300]}")
+
+    def submit_cdc_job(self, key: str, topics: dict[str, str], mapping_file: Path,
+                       restore_from: Optional[str] = None) -> str:
+        """Create the topics and submit jobs/cdc_retrain.py reading `topics["cdc"]` with the
+        mapping file (a pipeline's job, named streamtune-<key>); answers its id."""
+        try:
+            for t in topics.values():
+                create_topic(self.stack.kafka_bootstrap, t)
+        except Exception as e:
+            raise StackUnavailable(f"Kafka not reachable at {self.stack.kafka_bootstrap}: {type(e).__name__}: {e}")
+        args = ["--bootstrap", self.stack.kafka_bootstrap, "--cdc-topic", topics["cdc"], "--mapping", str(mapping_file),
+                "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
+                "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
+                "--job-name", job_name(key), *self.job_args, *(["--restore-from", restore_from] if restore_from else [])]
+        try:
+            return submit_detached(self.stack, CDC_JOB_SCRIPT, args)
         except FLINK_CLI_ERRORS as e:
             raise StackUnavailable(f"submitting the job to Flink failed: {str(e).strip().splitlines()[0][:300]}")
 

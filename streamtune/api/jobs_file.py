@@ -4,7 +4,8 @@ The jobs file: which spec is in force for each model, and which Flink job serves
 
     {"models": {model_id: {"topic", "spec", "spec_hash", "job_id", "response", "registered_at"}},
      "jobs":   {topic: {"job_id", "job_name", "topics": {feedback, configs, versions, dlq},
-                        "submitted_at"}}}
+                        "submitted_at"}},
+     "pipelines": {name: {"pipeline", "hash", "kind", …}}}   (streamtune/api/pipelines.py)
 
 Writes go to a temporary file that is renamed over the old one, under a process-wide lock;
 one API process per home is assumed.
@@ -34,6 +35,7 @@ class JobsFile:
                 data = {}
             data.setdefault("models", {})
             data.setdefault("jobs", {})
+            data.setdefault("pipelines", {})
             return data
 
     def save(self, data: dict) -> None:

@@ -14,17 +14,17 @@ Jobs. One Flink job per Kafka source topic T, named `streamtune-T`, reading feed
 and configs from `T.configs`, writing versions to `T.versions` and dead letters to `T.dlq`.
 A spec is idempotent by (model_id, spec hash): posting the spec in force again returns 200
 with the first answer and publishes nothing. Only `kafka://` sources can be submitted here:
-`postgres://` and `mongodb://` sources get 501, because a CDC job also needs a capture
-process and a mapping file (README "CDC"): run `streamtune cdc`, submit
-`jobs/cdc_retrain.py` and publish the spec to that job's config topic.
+`postgres://` and `mongodb://` sources get 501 here: they are applied as pipelines, whose
+`cdc` block maps rows to samples.
 
 Errors from the stack (Flink cluster, Kafka, MLflow unreachable or failing) are answered
 with a documented 503 and a one-line `detail`; nothing is recorded in that case.
 
-Counters (GET status): `in` and `dlq` are the end offsets of the job's feedback and DLQ
-topics summed over partitions (job-wide, not per model; the DLQ is written transactionally,
-so its offsets also count transaction markers: an upper bound); `versions` is the end
-offset of the versions topic (same caveat); `trained_samples` is the sum of the `samples`
+Pipelines (streamtune/api/pipelines.py: POST/GET/DELETE /v1/pipelines) apply the same specs
+and CDC sources too: the control plane then runs the capture and jobs/cdc_retrain.py.
+
+Counters (GET status): the job's own Flink counters since its last start (job-wide, not
+per model; streamtune.api.models.Counters); `trained_samples` is the sum of the `samples`
 tag over the model's MLflow versions (per model, exact for registered versions).
 
 Feedback. Events become feedback samples as `streamtune.api.models` describes. A request
@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Optional, Union
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path as PathParam, Request
@@ -49,6 +50,7 @@ from pydantic import Field
 from core import defaults
 from core.messages import MODEL_ID, AliasMove, FinetuneSpec
 
+from .captures import CaptureSupervisor
 from .gateway import (LIVE_STATES, MlflowNotFound, StackGateway, StackUnavailable, job_name, job_topics,
                       unusable_job_topic)
 from .jobs_file import JobsFile, PromotionLog
@@ -67,6 +69,8 @@ class ControlPlane:
     token: Optional[str]
     read_auth: bool
     max_feedback_batch: int
+    captures: CaptureSupervisor    # the CDC pipelines' captures
+    pipelines_dir: Path            # their mapping files
     # Submitting and stopping read, change and write the jobs file: one at a time.
     jobs_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -142,46 +146,52 @@ ModelIdPath = Annotated[str, PathParam(pattern=MODEL_ID)]
 def submit(spec: FinetuneSpec, actor: Writer, plane: Plane):
     topic = spec.kafka_topic
     if topic is None:
-        raise HTTPException(501, f"stream_source {spec.stream_source.split(':', 1)[0]}:// is not implemented "
-                                 "in the API: CDC sources need `streamtune cdc` and jobs/cdc_retrain.py with a "
-                                 "mapping file (README, CDC); publish the spec to that job's config topic")
+        raise HTTPException(501, f"a {spec.stream_source.split(':', 1)[0]}:// source needs a mapping of rows to "
+                                 "samples: apply it as a pipeline with a `cdc` block (POST /v1/pipelines, "
+                                 "`streamtune apply -f pipeline.yaml`)")
+    with plane.jobs_lock:
+        return apply_spec(plane, spec)
+
+
+def apply_spec(plane: ControlPlane, spec: FinetuneSpec) -> JSONResponse:
+    """Submit the job for a kafka:// spec's topic or hot-update it (the caller holds jobs_lock)."""
+    topic = spec.kafka_topic
     problem = unusable_job_topic(topic)
     if problem:  # the spec's schema allows it; the job's derived topics would not exist
         raise RequestValidationError([{"type": "value_error", "loc": ("body", "stream_source"), "msg": problem,
                                        "input": spec.stream_source}])
     spec_hash = spec.spec_hash()
-    with plane.jobs_lock:
-        data = plane.jobs.load()
-        entry = data["models"].get(spec.model_id)
-        if entry and entry["spec_hash"] == spec_hash:
-            return JSONResponse(entry["response"], status_code=200)
-        if entry and entry["topic"] != topic:
-            raise HTTPException(409, f"model {spec.model_id} is trained from topic {entry['topic']}; "
-                                     "DELETE it first to move it to another source")
-        job_id = plane.gateway.live_job(topic, data["jobs"].get(topic, {}).get("job_id"))
-        submitted = job_id is None
-        if submitted:
-            job_id = plane.gateway.submit_job(topic)
-            data["jobs"][topic] = {"job_id": job_id, "job_name": job_name(topic), "topics": job_topics(topic),
-                                   "submitted_at": _now_ms()}
-        else:
-            job = data["jobs"].setdefault(topic, {"job_name": job_name(topic), "topics": job_topics(topic),
-                                                  "submitted_at": None})
-            job["job_id"] = job_id
-        now = _now_ms()
-        try:
-            plane.gateway.produce(job_topics(topic)["configs"], [(spec.model_id, spec, now)])
-        except StackUnavailable:
-            if submitted:  # record the job so a retry hot-updates it instead of submitting another
-                plane.jobs.save(data)
-            raise
-        response = SubmitResponse(job_id=job_id, model_id=spec.model_id, config_version=spec_hash,
-                                  submitted=submitted).model_dump()
-        data["models"][spec.model_id] = {"topic": topic, "spec": spec.model_dump(mode="json"),
-                                         "spec_hash": spec_hash, "job_id": job_id, "response": response,
-                                         "registered_at": now}
-        plane.jobs.save(data)
-        return JSONResponse(response, status_code=202)
+    data = plane.jobs.load()
+    entry = data["models"].get(spec.model_id)
+    if entry and entry["spec_hash"] == spec_hash:
+        return JSONResponse(entry["response"], status_code=200)
+    if entry and entry["topic"] != topic:
+        raise HTTPException(409, f"model {spec.model_id} is trained from topic {entry['topic']}; "
+                                 "DELETE it first to move it to another source")
+    job_id = plane.gateway.live_job(topic, data["jobs"].get(topic, {}).get("job_id"))
+    submitted = job_id is None
+    if submitted:
+        job_id = plane.gateway.submit_job(topic)
+        data["jobs"][topic] = {"job_id": job_id, "job_name": job_name(topic), "topics": job_topics(topic),
+                               "submitted_at": _now_ms()}
+    else:
+        job = data["jobs"].setdefault(topic, {"job_name": job_name(topic), "topics": job_topics(topic),
+                                              "submitted_at": None})
+        job["job_id"] = job_id
+    now = _now_ms()
+    try:
+        plane.gateway.produce(job_topics(topic)["configs"], [(spec.model_id, spec, now)])
+    except StackUnavailable:
+        if submitted:  # record the job so a retry hot-updates it instead of submitting another
+            plane.jobs.save(data)
+        raise
+    response = SubmitResponse(job_id=job_id, model_id=spec.model_id, config_version=spec_hash,
+                              submitted=submitted).model_dump()
+    data["models"][spec.model_id] = {"topic": topic, "spec": spec.model_dump(mode="json"),
+                                     "spec_hash": spec_hash, "job_id": job_id, "response": response,
+                                     "registered_at": now}
+    plane.jobs.save(data)
+    return JSONResponse(response, status_code=202)
 
 
 @router.get("/v1/stream-finetune/{model_id}", response_model=StatusResponse,
@@ -220,18 +230,23 @@ def status(model_id: ModelIdPath, actor: Reader, plane: Plane):
                responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR})
 def stop(model_id: ModelIdPath, actor: Writer, plane: Plane):
     with plane.jobs_lock:
-        data = plane.jobs.load()
-        entry = _model_entry(data, model_id)
-        topic = entry["topic"]
-        job_id = _job_id(data, entry)
-        stopped, savepoint = False, None
-        if not any(e["topic"] == topic for m, e in data["models"].items() if m != model_id):
-            if plane.gateway.job_state(job_id) in LIVE_STATES:
-                savepoint, stopped = plane.gateway.stop_with_savepoint(job_id), True
-            data["jobs"].pop(topic, None)
-        del data["models"][model_id]
-        plane.jobs.save(data)
-        return StopResponse(model_id=model_id, job_id=job_id, job_stopped=stopped, savepoint=savepoint)
+        return stop_model(plane, model_id)
+
+
+def stop_model(plane: ControlPlane, model_id: str) -> StopResponse:
+    """Forget the model; stop its job with a savepoint when it was the last (caller holds jobs_lock)."""
+    data = plane.jobs.load()
+    entry = _model_entry(data, model_id)
+    topic = entry["topic"]
+    job_id = _job_id(data, entry)
+    stopped, savepoint = False, None
+    if not any(e["topic"] == topic for m, e in data["models"].items() if m != model_id):
+        if plane.gateway.job_state(job_id) in LIVE_STATES:
+            savepoint, stopped = plane.gateway.stop_with_savepoint(job_id), True
+        data["jobs"].pop(topic, None)
+    del data["models"][model_id]
+    plane.jobs.save(data)
+    return StopResponse(model_id=model_id, job_id=job_id, job_stopped=stopped, savepoint=savepoint)
 
 
 @router.get("/v1/models/{model_id}/versions", response_model=VersionsResponse,

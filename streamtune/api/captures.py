@@ -1,0 +1,124 @@
+"""The CDC captures the control plane runs for its pipelines: started, restarted, stopped.
+
+Each capture is `streamtune cdc` as a child process in a session of its own, logging to
+`<dir>/<name>.log`. A watcher thread restarts one that exits unasked (1 s, doubling to
+30 s between attempts; its log says why it exited). A capture resumes from its durable
+position (the replication slot and the offsets topic), so a restart repeats at most what
+was in flight, which the retrain job drops. The API stops its captures when it exits and
+starts them again for the pipelines on record when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("streamtune.api.captures")
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+
+
+@dataclass
+class _Capture:
+    argv: list[str]
+    log_file: Path
+    proc: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    next_start: float = 0.0
+    backoff_s: float = BACKOFF_FIRST_S
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class CaptureSupervisor:
+    def __init__(self, log_dir: Path, env: dict[str, str], poll_s: float = 0.5):
+        self.log_dir, self.env, self.poll_s = Path(log_dir), env, poll_s
+        self._captures: dict[str, _Capture] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="capture-supervisor", daemon=True)
+        self._watcher.start()
+
+    def ensure(self, name: str, argv: list[str]) -> int:
+        """Run `argv` as capture `name` (restarting it when its arguments changed); its pid."""
+        with self._lock:
+            current = self._captures.get(name)
+            if current is not None and current.argv == argv and _alive(current.proc):
+                return current.proc.pid
+            if current is not None:
+                _terminate(current.proc)
+            capture = _Capture(argv, self.log_dir / f"{name}.log")
+            self._spawn(name, capture)
+            self._captures[name] = capture
+            return capture.proc.pid
+
+    def stop(self, name: str) -> bool:
+        """SIGTERM (a clean stop: flush, confirm), SIGKILL after 15 s; False when none ran."""
+        with self._lock:
+            capture = self._captures.pop(name, None)
+        if capture is None:
+            return False
+        _terminate(capture.proc)
+        return True
+
+    def status(self, name: str) -> Optional[dict]:
+        with self._lock:
+            capture = self._captures.get(name)
+            if capture is None:
+                return None
+            return {"pid": capture.proc.pid if _alive(capture.proc) else None, "running": _alive(capture.proc),
+                    "restarts": capture.restarts, "log": str(capture.log_file)}
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            names = list(self._captures)
+        for name in names:
+            self.stop(name)
+
+    def _spawn(self, name: str, capture: _Capture) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(capture.log_file, "ab") as out:
+            capture.proc = subprocess.Popen(capture.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+        capture.started_at = time.monotonic()
+        log.info("capture %s started (pid %d)", name, capture.proc.pid)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            with self._lock:
+                for name, capture in self._captures.items():
+                    if _alive(capture.proc):
+                        if time.monotonic() - capture.started_at > BACKOFF_MAX_S:
+                            capture.backoff_s = BACKOFF_FIRST_S  # healthy a while: the next failure is new
+                        continue
+                    now = time.monotonic()
+                    if capture.next_start == 0.0:
+                        capture.next_start = now + capture.backoff_s
+                        log.warning("capture %s exited with %s; restarting in %.0f s (log: %s)", name,
+                                    capture.proc.returncode, capture.backoff_s, capture.log_file)
+                    elif now >= capture.next_start:
+                        capture.restarts += 1
+                        capture.next_start = 0.0
+                        capture.backoff_s = min(capture.backoff_s * 2, BACKOFF_MAX_S)
+                        self._spawn(name, capture)
+
+
+def _alive(proc: Optional[subprocess.Popen]) -> bool:
+    return proc is not None and proc.poll() is None
+
+
+def _terminate(proc: Optional[subprocess.Popen], timeout: float = 15.0) -> None:
+    if not _alive(proc):
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -1,0 +1,246 @@
+"""Pipelines: one declarative spec per model for every source kind (streamtune.pipeline).
+
+| endpoint                          | auth      | what it does                                       |
+|-----------------------------------|-----------|----------------------------------------------------|
+| POST   /v1/pipelines[?dry_run=1]  | bearer    | create, hot-update or leave as is; answers the diff |
+| GET    /v1/pipelines              | read_auth | every pipeline with its job and capture state       |
+| GET    /v1/pipelines/{name}       | read_auth | one of them                                         |
+| DELETE /v1/pipelines/{name}       | bearer    | stop its job (savepoint) and capture; forget it     |
+
+Applying is idempotent, in kubectl's habits: the same pipeline again is `unchanged` and
+touches nothing; `changes` lists each field that differs (`path: old -> new`), and a dry run
+answers that without acting.
+
+- `kafka://` sources go the way of POST /v1/stream-finetune (one job per topic; a changed
+  spec is a hot update on the config topic).
+- `postgres://` and `mongodb://` sources: the control plane writes the mapping file, creates
+  the topics (`pipeline.<name>.cdc`, `.configs`, `.versions`, `.dlq`, `.adapter-versions`),
+  starts and supervises the capture (streamtune/api/captures.py), submits jobs/cdc_retrain.py
+  and publishes the spec. A change of the fine-tune fields alone is a hot update; a change of
+  the `cdc` block stops the job with a savepoint and resubmits it from there with the new
+  mapping. Deleting stops the job with a savepoint, stops the capture and drops its
+  replication slot and publication (PostgreSQL), so the server keeps no WAL for it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Literal, Optional
+
+from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from core import defaults
+from core.sources.postgres import PostgresSource
+from streamtune.pipeline import Pipeline, connector_name
+
+from .gateway import LIVE_STATES, StackUnavailable
+from .routes import (AUTH_ERR, BAD_BODY, NOT_FOUND, STACK_ERR, TOO_LARGE, ControlPlane, ModelIdPath, Plane, Reader,
+                     Writer, _now_ms, apply_spec, stop_model)
+
+router = APIRouter()
+
+
+class ApplyResponse(BaseModel):
+    name: str
+    action: Literal["created", "unchanged", "updated", "restarted"]
+    changes: list[str]
+    dry_run: bool
+    job_id: Optional[str] = None
+
+
+class PipelineState(BaseModel):
+    name: str
+    kind: Literal["kafka", "cdc"]
+    hash: str
+    pipeline: dict[str, Any]
+    job_id: Optional[str] = None
+    job_state: Optional[str] = None
+    capture: Optional[dict[str, Any]] = None
+    topics: dict[str, str] = {}
+
+
+class DeleteResponse(BaseModel):
+    name: str
+    job_id: Optional[str] = None
+    job_stopped: bool
+    savepoint: Optional[str] = None
+    capture_stopped: bool = False
+
+
+def pipeline_topics(name: str) -> dict[str, str]:
+    key = f"pipeline.{name}"
+    return {"cdc": f"{key}.cdc", "configs": f"{key}.configs", "versions": f"{key}.versions", "dlq": f"{key}.dlq",
+            "adapter-versions": f"{key}.adapter-versions"}
+
+
+def changes(old: Any, new: Any, path: str = "") -> list[str]:
+    """Each leaf that differs, as `path: old -> new`.
+
+    >>> changes({"a": {"b": 1, "c": [1]}}, {"a": {"b": 2, "c": [1]}, "d": None})
+    ['a.b: 1 -> 2']
+    """
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            out += changes(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+        return out
+    return [] if old == new else [f"{path}: {json.dumps(old)} -> {json.dumps(new)}"]
+
+
+@router.post("/v1/pipelines", response_model=ApplyResponse,
+             responses={**AUTH_ERR, **BAD_BODY, **TOO_LARGE, **STACK_ERR,
+                        409: {"description": "the model is already trained from another source"}})
+def apply(pipeline: Pipeline, actor: Writer, plane: Plane, dry_run: bool = False):
+    with plane.jobs_lock:
+        data = plane.jobs.load()
+        entry = data["pipelines"].get(pipeline.name)
+        new = pipeline.model_dump(mode="json")
+        diff = changes(entry["pipeline"] if entry else {}, new)
+        if entry and entry["hash"] == pipeline.pipeline_hash():
+            return ApplyResponse(name=pipeline.name, action="unchanged", changes=[], dry_run=dry_run,
+                                 job_id=entry.get("job_id"))
+        if entry and Pipeline.model_validate(entry["pipeline"]).source_id != pipeline.source_id:
+            raise HTTPException(409, f"pipeline {pipeline.name} reads {entry['pipeline']['stream_source']}; "
+                                     "delete it first to move it to another source")
+        if not entry and pipeline.model_id in data["models"]:
+            raise HTTPException(409, f"model {pipeline.model_id} was submitted through /v1/stream-finetune; "
+                                     "stop it there first")
+        restart = bool(entry) and pipeline.is_cdc and entry["pipeline"].get("cdc") != new.get("cdc")
+        action = "created" if not entry else "restarted" if restart else "updated"
+        if dry_run:
+            return ApplyResponse(name=pipeline.name, action=action, changes=diff, dry_run=True,
+                                 job_id=entry.get("job_id") if entry else None)
+        if pipeline.is_cdc:
+            job_id = _apply_cdc(plane, pipeline, entry, restart)
+        else:
+            answer = apply_spec(plane, pipeline.finetune_spec())
+            job_id = json.loads(answer.body)["job_id"]
+            data = plane.jobs.load()  # apply_spec recorded the model and its job
+        data["pipelines"][pipeline.name] = {
+            "pipeline": new, "hash": pipeline.pipeline_hash(), "kind": "cdc" if pipeline.is_cdc else "kafka",
+            "job_id": job_id, "applied_at": _now_ms(),
+            "topics": pipeline_topics(pipeline.name) if pipeline.is_cdc else {}}
+        plane.jobs.save(data)
+        return JSONResponse(ApplyResponse(name=pipeline.name, action=action, changes=diff, dry_run=False,
+                                          job_id=job_id).model_dump(), status_code=201 if not entry else 200)
+
+
+@router.get("/v1/pipelines", response_model=list[PipelineState], responses={**AUTH_ERR})
+def list_pipelines(actor: Reader, plane: Plane):
+    return [_state(plane, name, entry) for name, entry in sorted(plane.jobs.load()["pipelines"].items())]
+
+
+@router.get("/v1/pipelines/{name}", response_model=PipelineState, responses={**AUTH_ERR, **NOT_FOUND})
+def get_pipeline(name: ModelIdPath, actor: Reader, plane: Plane):
+    return _state(plane, name, _entry(plane.jobs.load(), name))
+
+
+@router.delete("/v1/pipelines/{name}", response_model=DeleteResponse, responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR})
+def delete(name: ModelIdPath, actor: Writer, plane: Plane):
+    with plane.jobs_lock:
+        data = plane.jobs.load()
+        entry = _entry(data, name)
+        if entry["kind"] == "kafka":
+            stopped = stop_model(plane, name) if name in data["models"] else None
+            data = plane.jobs.load()
+            data["pipelines"].pop(name, None)
+            plane.jobs.save(data)
+            return DeleteResponse(name=name, job_id=stopped.job_id if stopped else None,
+                                  job_stopped=bool(stopped and stopped.job_stopped),
+                                  savepoint=stopped.savepoint if stopped else None)
+        job_id, savepoint, job_stopped = entry.get("job_id"), None, False
+        if job_id and _job_state(plane, job_id) in LIVE_STATES:
+            savepoint, job_stopped = plane.gateway.stop_with_savepoint(job_id), True
+        capture_stopped = plane.captures.stop(connector_name(name))
+        pipeline = Pipeline.model_validate(entry["pipeline"])
+        if isinstance(pipeline.source, PostgresSource):
+            _drop_slot(plane, pipeline, connector_name(name))
+        del data["pipelines"][name]
+        plane.jobs.save(data)
+        return DeleteResponse(name=name, job_id=job_id, job_stopped=job_stopped, savepoint=savepoint,
+                              capture_stopped=capture_stopped)
+
+
+# ---------------------------------------------------------------- CDC pipelines
+
+def _apply_cdc(plane: ControlPlane, pipeline: Pipeline, entry: Optional[dict], restart: bool) -> str:
+    """Mapping file, capture, job, spec: whatever of them the change needs; the job's id."""
+    topics = pipeline_topics(pipeline.name)
+    mapping_file = plane.pipelines_dir / pipeline.name / "mapping.json"
+    job_id = entry.get("job_id") if entry else None
+    restore_from = None
+    if restart and job_id and _job_state(plane, job_id) in LIVE_STATES:
+        restore_from = plane.gateway.stop_with_savepoint(job_id)
+        if restore_from is None:
+            raise StackUnavailable(f"job {job_id} stopped without reporting a savepoint; apply again to resubmit")
+    if restart or not entry:
+        mapping_file.parent.mkdir(parents=True, exist_ok=True)
+        mapping_file.write_text(pipeline.mapping().model_dump_json(indent=1, exclude_none=True))
+    start_capture(plane, pipeline)
+    if restart or not entry or job_id is None or _job_state(plane, job_id) not in LIVE_STATES:
+        job_id = plane.gateway.submit_cdc_job(f"pipeline.{pipeline.name}", topics, mapping_file, restore_from)
+    spec = pipeline.finetune_spec()
+    now = _now_ms()
+    # Event time of the spec: before any change, so no change waits for a config from "later".
+    plane.gateway.produce(topics["configs"], [(spec.model_id, spec, now - 60_000)])
+    return job_id
+
+
+def start_capture(plane: ControlPlane, pipeline: Pipeline) -> int:
+    """(Re)start the pipeline's capture unless it already runs with the same arguments; its pid."""
+    name = connector_name(pipeline.name)
+    topics = pipeline_topics(pipeline.name)
+    argv = [sys.executable, "-m", "streamtune.cli", "cdc", "--source", pipeline.capture_source(name), "--name", name,
+            "--topic", topics["cdc"], "--bootstrap", plane.gateway.stack.kafka_bootstrap,
+            "--offsets-topic", defaults.CDC_OFFSETS_TOPIC, *(["--snapshot"] if pipeline.cdc.snapshot else [])]
+    return plane.captures.ensure(name, argv)
+
+
+def resume_captures(plane: ControlPlane) -> None:
+    """At start: the captures of the CDC pipelines on record."""
+    for name, entry in plane.jobs.load()["pipelines"].items():
+        if entry["kind"] == "cdc":
+            start_capture(plane, Pipeline.model_validate(entry["pipeline"]))
+
+
+def _drop_slot(plane: ControlPlane, pipeline: Pipeline, connector: str) -> None:
+    import psycopg
+
+    env = plane.captures.env
+    try:
+        with psycopg.connect(pipeline.source.dsn, user=env.get("PGUSER"), password=env.get("PGPASSWORD"),
+                             autocommit=True, connect_timeout=10) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                         (connector,))
+            conn.execute(f'DROP PUBLICATION IF EXISTS "{connector}"')  # connector_name: an identifier
+    except psycopg.Error as e:
+        raise StackUnavailable(f"dropping replication slot {connector} failed: {str(e).strip()[:300]}")
+
+
+def _state(plane: ControlPlane, name: str, entry: dict) -> PipelineState:
+    job_id = entry.get("job_id")
+    if entry["kind"] == "kafka":
+        model = plane.jobs.load()["models"].get(name)
+        job_id = plane.jobs.load()["jobs"].get(model["topic"], {}).get("job_id", job_id) if model else job_id
+    return PipelineState(name=name, kind=entry["kind"], hash=entry["hash"], pipeline=entry["pipeline"],
+                         job_id=job_id, job_state=_job_state(plane, job_id) if job_id else None,
+                         capture=plane.captures.status(connector_name(name)) if entry["kind"] == "cdc" else None,
+                         topics=entry.get("topics", {}))
+
+
+def _job_state(plane: ControlPlane, job_id: str) -> Optional[str]:
+    try:
+        return plane.gateway.job_state(job_id)
+    except StackUnavailable:
+        return None
+
+
+def _entry(data: dict, name: str) -> dict:
+    entry = data["pipelines"].get(name)
+    if entry is None:
+        raise HTTPException(404, f"no pipeline named {name}")
+    return entry
+
