@@ -1,0 +1,198 @@
+"""Pipelines applied without writing a job (marker `lowcode`): `streamtune apply -f` over a
+PostgreSQL table, `POST /v1/pipelines` over a Mongo collection.
+
+The API runs as a process, as a user starts it; the CLI runs as its own process; rows go in
+with psql and documents with pymongo; versions are read from MLflow through the API and
+answered by `streamtune serve`. Nothing is started by hand besides the API and the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pymongo
+import pytest
+import requests
+import yaml
+
+from streamtune.local_job import kill_group, spawn_logged
+from streamtune.pipeline import connector_name
+from streamtune.testing import free_port, psql, wait_for, wait_past_window
+
+pytestmark = pytest.mark.lowcode
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "lowcode-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def streamtune(url: str, *args: str) -> dict:
+    """`python -m streamtune.cli ARGS --url URL` as a user runs it; its JSON answer."""
+    env = {**os.environ, "STREAMTUNE_API_TOKEN": TOKEN}
+    result = subprocess.run([sys.executable, "-m", "streamtune.cli", *args, "--url", url], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (args, result.returncode, result.stderr[-3000:])
+    return json.loads(result.stdout)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def capture_processes(connector: str) -> list[str]:
+    """Command lines of live processes that name the pipeline's capture."""
+    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in out if connector in line and " Z" not in line and "ps -eo" not in line]
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return spawn_logged([sys.executable, "-m", "streamtune.cli", *args], log, extra_env={"STREAMTUNE_API_TOKEN": TOKEN})
+
+
+def listening(url: str, proc: subprocess.Popen, log: Path, path: str) -> bool:
+    assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+    try:
+        return requests.get(url + path, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@pytest.fixture
+def api(stack_config, base_model, tmp_path):
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "api.log"
+    proc = spawn(["api", "--port", str(port)], log)
+    wait_for(lambda: listening(url, proc, log, "/openapi.json"), 60, "the API to listen", interval=0.3)
+    yield url
+    kill_group(proc)
+
+
+@pytest.fixture
+def serve(stack_config, base_model, tmp_path):
+    """`streamtune serve` following the broadcast topic of pipeline `name`."""
+    started = []
+
+    def start(name: str) -> str:
+        port = free_port()
+        url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
+        proc = spawn(["serve", "--port", str(port), "--base-model", str(base_model),
+                      "--broadcast-topics", rf"pipeline\.{name}\.adapter-versions"], log)
+        started.append(proc)
+        wait_for(lambda: listening(url, proc, log, "/healthz"), 120, "the server to listen", interval=0.5)
+        return url
+
+    yield start
+    for proc in started:
+        kill_group(proc)
+
+
+def registered_versions(api: str, model_id: str) -> list[dict]:
+    """The model's MLflow versions through the API ([] before the first is registered)."""
+    r = requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30)
+    return r.json()["versions"] if r.status_code == 200 else []
+
+
+def served_version(url: str, model_id: str) -> str | None:
+    """The `<id>/<version>` a completion for the model is produced by (None before one is)."""
+    r = requests.post(f"{url}/v1/completions", json={"model": model_id, "prompt": "x=1;y=", "max_tokens": 2},
+                      timeout=30)
+    return r.json()["system_fingerprint"] if r.status_code == 200 else None
+
+
+def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_nothing(
+        stack_config, api, serve, unique, tmp_path):
+    dsn, table, name = stack_config.postgres_dsn, f"lc_answers_{unique.replace('-', '_')}", f"lc-pg-{unique}"
+    psql(dsn, f"CREATE TABLE {table} (id int PRIMARY KEY, q text, a text, status text)")
+    pipeline = {"model_id": name, "stream_source": f"postgres://127.0.0.1:{stack_config.postgres_port}/streamtune"
+                                                   f"?table={table}",
+                "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                "trigger_policy": {"min_samples_per_window": 3, "window_seconds": 2},
+                "training": {"lr": 0.01, "micro_batch_size": 8},
+                "cdc": {"prompt": "q", "completion": "a", "filter": [{"column": "status", "value": "approved"}]}}
+    file = tmp_path / "pipeline.yaml"
+    file.write_text(yaml.safe_dump(pipeline))
+
+    created = streamtune(api, "apply", "-f", str(file))
+    assert created["action"] == "created" and created["job_id"]
+    again = streamtune(api, "apply", "-f", str(file))
+    assert again["action"] == "unchanged" and again["changes"] == [] and again["job_id"] == created["job_id"]
+    state = streamtune(api, "get", "pipelines", name)
+    capture_pid = state["capture"]["pid"]
+    assert state["job_state"] == "RUNNING" and alive(capture_pid)
+
+    psql(dsn, f"INSERT INTO {table} SELECT i, 'x=' || i || ';y=', (i + 1)::text, "
+              f"CASE WHEN i % 4 = 0 THEN 'draft' ELSE 'approved' END FROM generate_series(1, 8) i")
+    # Event time is capture time: a row captured once the first rows' window has passed closes it.
+    wait_past_window(stack_config.kafka_bootstrap, f"pipeline.{name}.cdc", 2000, lambda records: len(records) >= 8)
+    psql(dsn, f"INSERT INTO {table} VALUES (100, 'x=9;y=', '10', 'approved')")
+    wait_for(lambda: registered_versions(api, name), 120, "a version in MLflow", interval=2)
+    versions = streamtune(api, "versions", name)["versions"]
+    assert versions[0]["samples"] == 6, "rows 1-8 less the two drafts"
+    assert "champion" in versions[0]["aliases"]
+    server = serve(name)
+    assert wait_for(lambda: served_version(server, name), 60, "the version to be served", interval=1) == \
+        f"{name}/{versions[0]['version']}"
+
+    # A changed trigger policy is a hot update: same job, same capture.
+    file.write_text(yaml.safe_dump({**pipeline, "trigger_policy": {"min_samples_per_window": 2,
+                                                                    "window_seconds": 2}}))
+    dry = streamtune(api, "apply", "-f", str(file), "--dry-run")
+    assert dry["action"] == "updated" and dry["changes"] == ["trigger_policy.min_samples_per_window: 3 -> 2"]
+    assert streamtune(api, "get", "pipelines", name)["hash"] == state["hash"], "a dry run changes nothing"
+    updated = streamtune(api, "apply", "-f", str(file))
+    assert updated["action"] == "updated" and updated["job_id"] == created["job_id"]
+    assert streamtune(api, "get", "pipelines", name)["capture"]["pid"] == capture_pid
+
+    # The capture is supervised: killed, it runs again.
+    os.kill(capture_pid, signal.SIGKILL)
+    restarted = wait_for(lambda: (c := streamtune(api, "get", "pipelines", name)["capture"])["restarts"] >= 1
+                         and c["running"] and c, 30, "the capture to be restarted", interval=0.5)
+    assert restarted["pid"] != capture_pid
+
+    deleted = streamtune(api, "delete", "-f", str(file))
+    assert deleted["job_stopped"] and deleted["savepoint"] and deleted["capture_stopped"]
+    job = requests.get(f"{stack_config.flink_rest_url}/jobs/{created['job_id']}", timeout=5).json()
+    assert job["state"] == "FINISHED", "stopped with a savepoint"
+    assert not alive(restarted["pid"]) and capture_processes(connector_name(name)) == [], "no capture left behind"
+    assert psql(dsn, f"SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{connector_name(name)}'"
+                ).strip() == "0", "the slot is dropped: the server keeps no WAL for a deleted pipeline"
+    assert streamtune(api, "get", "pipelines") == [] or name not in {p["name"] for p in
+                                                                    streamtune(api, "get", "pipelines")}
+
+
+def test_post_a_mongo_pipeline_documents_become_versions(stack_config, api, unique):
+    db, name = f"lc_{unique.replace('-', '_')}", f"lc-mongo-{unique}"
+    mongo = pymongo.MongoClient(stack_config.mongo_uri)
+    mongo[db].create_collection("reviews")
+    pipeline = {"model_id": name, "stream_source": f"mongodb://127.0.0.1:{stack_config.mongo_port}/"
+                                                   f"?db={db}&collection=reviews",
+                "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                "trigger_policy": {"min_samples_per_window": 3, "window_seconds": 2},
+                "training": {"lr": 0.01, "micro_batch_size": 8},
+                "cdc": {"prompt": "text", "completion": "reply.body"}}
+    r = requests.post(f"{api}/v1/pipelines", json=pipeline, headers=AUTH, timeout=120)
+    assert r.status_code == 201, r.text
+    assert requests.post(f"{api}/v1/pipelines", json=pipeline, headers=AUTH, timeout=120).json()["action"] == \
+        "unchanged"
+    assert requests.post(f"{api}/v1/pipelines", json=pipeline, timeout=10).status_code == 401
+    wait_for(lambda: requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()["capture"]["running"], 30,
+             "the capture to run")
+    connector = connector_name(name)
+    wait_for(lambda: "capturing" in Path(requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()
+                                         ["capture"]["log"]).read_text(), 60, "the change stream to open")
+    mongo[db].reviews.insert_many([{"_id": i, "text": f"x={i};y=", "reply": {"body": str(i + 1)}} for i in range(5)])
+    wait_past_window(stack_config.kafka_bootstrap, f"pipeline.{name}.cdc", 2000, lambda records: len(records) >= 5)
+    mongo[db].reviews.insert_one({"_id": 99, "text": "x=9;y=", "reply": {"body": "10"}})
+    assert wait_for(lambda: registered_versions(api, name), 120, "a version in MLflow", interval=2)[0]["samples"] == 5
+    r = requests.delete(f"{api}/v1/pipelines/{name}", headers=AUTH, timeout=300)
+    assert r.status_code == 200 and r.json()["job_stopped"] and r.json()["capture_stopped"], r.text
+    assert capture_processes(connector) == []
+    mongo.close()
