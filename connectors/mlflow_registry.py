@@ -136,8 +136,8 @@ def gate_tags(record: VersionRecord) -> dict[str, str]:
 
     >>> from core.messages.version import EXAMPLE, GATE_EXAMPLE
     >>> tags = gate_tags(VersionRecord.model_validate({**EXAMPLE, "gate": GATE_EXAMPLE}))
-    >>> tags["gate"], tags["eval.retained.exact_match"], tags["eval.retained.champion_exact_match"]
-    ('refused', '0.2', '1.0')
+    >>> tags["gate"], tags["eval.retained.forgotten"], tags["eval.retained.champion_exact_match"]
+    ('refused', '0.8', '1.0')
     """
     gate = record.gate
     if gate is None:
@@ -153,6 +153,8 @@ def gate_tags(record: VersionRecord) -> dict[str, str]:
         if s.champion is not None:
             tags.update({prefix + "champion_exact_match": str(s.champion.exact_match),
                          prefix + "champion_loss": str(s.champion.loss)})
+        if s.candidate.forgotten is not None:
+            tags[prefix + "forgotten"] = str(s.candidate.forgotten)
     return tags
 
 
@@ -164,6 +166,8 @@ def gate_metrics(record: VersionRecord) -> dict[str, float]:
             if score is not None:
                 rows[f"{who}eval_{s.name}_exact_match"] = score.exact_match
                 rows[f"{who}eval_{s.name}_loss"] = score.loss
+        if s.candidate.forgotten is not None:
+            rows[f"eval_{s.name}_forgotten"] = s.candidate.forgotten
     if record.gate is not None:
         rows["promoted"] = float(record.gate.promote)
     return rows

@@ -304,14 +304,19 @@ class FinetuneFunction(KeyedProcessFunction):
             except (OSError, ValueError) as e:
                 problems.append(f"fixed eval set {evaluation.eval_uri} unreadable ({type(e).__name__}: {e})")
         sets = {name: samples for name, samples in sets.items() if samples}
-        scores = [SetScores(name, len(samples), EvalScore(**trainer.evaluate(
-            model_id, spec.adapter_config, spec.training, samples))) for name, samples in sets.items()]
+        scores = []
+        for name, samples in sets.items():
+            score = trainer.evaluate(model_id, spec.adapter_config, spec.training, samples)
+            scores.append(SetScores(name, len(samples), EvalScore(exact_match=score["exact_match"], loss=score["loss"]),
+                                    candidate_correct=score["correct"]))
         champion = quality.champion
         if champion is not None and scores and not problems:
             lora = self._champion_weights(champion)
             adapter = AdapterConfig.from_json(champion["adapter"])
             for s in scores:
-                s.champion = EvalScore(**trainer.evaluate(model_id, adapter, spec.training, sets[s.name], lora))
+                score = trainer.evaluate(model_id, adapter, spec.training, sets[s.name], lora)
+                s.champion = EvalScore(exact_match=score["exact_match"], loss=score["loss"])
+                s.champion_correct = score["correct"]
         return decide(evaluation, scores, champion, loss_after, problems)
 
     def _champion_weights(self, champion: dict) -> bytes:

@@ -168,7 +168,8 @@ class LoraTrainer:
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, samples: list,
                  lora: bytes | None = None) -> dict:
-        """{"exact_match", "loss"} of an adapter on `samples` (unweighted): the adapter `model_id`
+        """{"exact_match", "loss", "correct"} of an adapter on `samples` (unweighted; `correct`:
+        which samples it answered exactly): the adapter `model_id`
         trains as it stands now, or, given `lora` (adapter_model.safetensors bytes), those
         weights loaded into a scoring slot beside it. Deterministic on the CPU."""
         with self._lock:
@@ -182,17 +183,17 @@ class LoraTrainer:
                 set_peft_model_state_dict(self.model, load_safetensors(lora), adapter_name=name)
             examples = [encode_example(self.tokenizer, s.prompt, s.completion, training.max_seq_len) for s in samples]
             loss = self._mean_loss(examples, [1.0] * len(examples), training)
-            return {"exact_match": round(self._exact_match(samples, training), 6), "loss": loss}
+            correct = self._exact_answers(samples, training)
+            return {"exact_match": round(sum(correct) / len(correct), 6) if correct else 0.0, "loss": loss,
+                    "correct": correct}
 
     @torch.no_grad()
-    def _exact_match(self, samples: list, training: TrainingConfig, batch_size: int = 64) -> float:
-        """Share of samples whose greedy continuation (up to eos) equals the completion."""
-        if not samples:
-            return 0.0
+    def _exact_answers(self, samples: list, training: TrainingConfig, batch_size: int = 64) -> tuple[bool, ...]:
+        """Per sample: whether its greedy continuation (up to eos) equals the completion."""
         self.model.eval()
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         pad = eos if pad is None else pad
-        hits = 0
+        hits = []
         for start in range(0, len(samples), batch_size):
             chunk = samples[start:start + batch_size]
             prompts = [self.tokenizer(s.prompt)["input_ids"][-training.max_seq_len:] for s in chunk]
@@ -206,8 +207,8 @@ class LoraTrainer:
                                           do_sample=False, eos_token_id=eos, pad_token_id=pad)
             for row, target in zip(out[:, width:].tolist(), targets):
                 row = row[:row.index(eos)] if eos in row else row
-                hits += self.tokenizer.decode(row, skip_special_tokens=True).strip() == target
-        return hits / len(samples)
+                hits.append(self.tokenizer.decode(row, skip_special_tokens=True).strip() == target)
+        return tuple(hits)
 
     def _reset_adapter(self, name: str, seed: int) -> None:
         torch.manual_seed(seed)

@@ -145,20 +145,42 @@ def load_fixed(uri: str, size: int) -> list[Kept]:
 
 @dataclass
 class SetScores:
-    """A set scored for the new version (`candidate`) and the champion, on the same samples."""
+    """A set scored for the new version (`candidate`) and the champion, on the same samples;
+    `*_correct`: which samples each answered exactly."""
 
     name: str
     size: int
     candidate: EvalScore
     champion: Optional[EvalScore] = None
+    candidate_correct: tuple[bool, ...] = ()
+    champion_correct: tuple[bool, ...] = ()
     tolerance: float = 0.0
     passed: bool = True
     shortfall: str = field(default="")
 
 
-def _worse(metric: str, candidate: EvalScore, champion: EvalScore, tolerance: float) -> str:
-    """'' when the candidate is within tolerance of the champion, else how it fell short."""
-    if metric == "exact_match":
+def forgotten(candidate_correct, champion_correct) -> Optional[float]:
+    """Of the samples the champion answers exactly, the share the candidate misses (None: none).
+
+    >>> forgotten([True, False, False, True], [True, True, False, False])
+    0.5
+    """
+    known = [c for c, k in zip(candidate_correct, champion_correct) if k]
+    return round(1 - sum(known) / len(known), 6) if known else None
+
+
+def _worse(metric: str, s: SetScores) -> str:
+    """'' when the candidate is within tolerance of the champion on this set, else how it fell short.
+
+    The forgetting guard (retained, exact_match) counts answers lost, not the mean: a new
+    version that learned newer data in `retained` must not buy that with older answers.
+    """
+    candidate, champion, tolerance = s.candidate, s.champion, s.tolerance
+    if metric == "exact_match" and s.name == "retained":
+        if candidate.forgotten is not None and candidate.forgotten > tolerance + 1e-9:
+            known = sum(s.champion_correct)
+            return f"forgot {candidate.forgotten:.3f} of the {known} answers the champion got right > {tolerance:g}"
+    elif metric == "exact_match":
         if candidate.exact_match < champion.exact_match - tolerance - 1e-9:
             return f"exact_match {candidate.exact_match:.3f} < {champion.exact_match:.3f} - {tolerance:g}"
     elif candidate.loss > champion.loss + tolerance + 1e-9:
@@ -172,12 +194,14 @@ def decide(evaluation: EvaluationConfig, sets: list[SetScores], champion: Option
 
     >>> ev = EvaluationConfig(holdout_fraction=0.2, tolerance=0.0, forgetting_tolerance=0.05)
     >>> champ = {"version_id": "m@1#0:0-0:9", "loss_after": 0.4}
-    >>> recent = SetScores("recent", 16, EvalScore(exact_match=0.9, loss=0.3), EvalScore(exact_match=0.1, loss=2.0))
-    >>> old = SetScores("retained", 64, EvalScore(exact_match=0.2, loss=1.9), EvalScore(exact_match=1.0, loss=0.1))
+    >>> recent = SetScores("recent", 4, EvalScore(exact_match=0.75, loss=0.3), EvalScore(exact_match=0.25, loss=2.0),
+    ...                    (True, True, True, False), (True, False, False, False))
+    >>> old = SetScores("retained", 4, EvalScore(exact_match=0.5, loss=1.9), EvalScore(exact_match=0.5, loss=0.1),
+    ...                 (False, False, True, True), (True, True, False, False))
     >>> d = decide(ev, [recent, old], champ, loss_after=0.2)
     >>> d.promote, d.rule, d.reason
-    (False, 'eval', 'worse than champion m@1#0:0-0:9 on retained (forgetting guard): exact_match 0.200 < 1.000 - 0.05')
-    >>> decide(ev.model_copy(update={"forgetting_tolerance": 0.9}), [recent, old], champ, 0.2).promote
+    (False, 'eval', 'worse than champion m@1#0:0-0:9 on retained (forgetting guard): forgot 1.000 of the 2 answers the champion got right > 0.05')
+    >>> decide(ev.model_copy(update={"forgetting_tolerance": 1.0}), [recent, old], champ, 0.2).promote
     True
     >>> d = decide(ev, [], champ, loss_after=0.5)
     >>> d.promote, d.rule, d.reason
@@ -189,7 +213,10 @@ def decide(evaluation: EvaluationConfig, sets: list[SetScores], champion: Option
     for s in sets:
         s.tolerance = evaluation.forgetting_tolerance if s.name == "retained" else evaluation.tolerance
         if s.champion is not None:
-            s.shortfall = _worse(evaluation.metric, s.candidate, s.champion, s.tolerance)
+            if s.name == "retained":
+                s.candidate = s.candidate.model_copy(update={
+                    "forgotten": forgotten(s.candidate_correct, s.champion_correct)})
+            s.shortfall = _worse(evaluation.metric, s)
             s.passed = not s.shortfall
         results.append(EvalSetResult(name=s.name, size=s.size, candidate=s.candidate, champion=s.champion,
                                      tolerance=s.tolerance, passed=s.passed))
@@ -211,6 +238,7 @@ def decide(evaluation: EvaluationConfig, sets: list[SetScores], champion: Option
             f"{s.name}{' (forgetting guard)' if s.name == 'retained' else ''}: {s.shortfall}" for s in failed)
         return GateDecision(promote=False, rule="eval", reason=reason, **common)
     scores = ", ".join(f"{s.name} {_metric(evaluation.metric, s.candidate)} vs {_metric(evaluation.metric, s.champion)}"
+                       + (f" (forgot {s.candidate.forgotten:.3f})" if s.candidate.forgotten is not None else "")
                        for s in sets)
     return GateDecision(promote=True, rule="eval", reason=f"not worse than champion {name} on {scores}", **common)
 

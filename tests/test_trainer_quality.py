@@ -156,9 +156,8 @@ def test_gate_refuses_forgetting_keeps_champion_and_promotes_replay_that_keeps_a
     first_b = plain_b[0].gate
     assert not first_b.promote and "retained (forgetting guard)" in first_b.reason
     retained = next(s for s in first_b.sets if s.name == "retained")
-    assert retained.champion.exact_match - retained.candidate.exact_match > 0.5, retained
-    # (Later, held-out B samples leaving `recent` outnumber A's in `retained`: the guard weighs all older data.)
-    assert not any(v.gate.promote for v in plain_b[:8]), "plain LoRA on B fails the forgetting guard"
+    assert retained.candidate.forgotten > 0.5, retained
+    assert not any(v.gate.promote for v in plain_b), "plain LoRA on B fails the forgetting guard"
     assert plain_fn.quality.value().champion["version_id"] == last_a.version_id
     # Held-out samples were never trained on and are accounted for in lineage.
     trained = {s for v in plain_a + plain_b for s in v.lineage.sample_ids}
@@ -171,7 +170,7 @@ def test_gate_refuses_forgetting_keeps_champion_and_promotes_replay_that_keeps_a
     assert promoted, [v.gate.reason for v in replay_b]
     best = promoted[-1].gate
     sets = {s.name: s for s in best.sets}
-    assert sets["retained"].candidate.exact_match >= sets["retained"].champion.exact_match - 0.1
+    assert sets["retained"].candidate.forgotten <= 0.1 and sets["recent"].candidate.exact_match >= 0.9
     assert all(v.metrics.replayed == v.metrics.samples for v in replay_b)
     assert replay_fn.counters.counts["versions_refused"] >= 1
 

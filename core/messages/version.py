@@ -15,6 +15,8 @@ numbers it compared (records without `gate` stay valid: the registrar's loss rul
 >>> g = VersionRecord.model_validate({**EXAMPLE, "gate": GATE_EXAMPLE}).gate
 >>> g.promote, g.rule, [(s.name, s.candidate.exact_match, s.champion.exact_match, s.passed) for s in g.sets]
 (False, 'eval', [('recent', 0.9, 0.1, True), ('retained', 0.2, 1.0, False)])
+>>> g.sets[1].candidate.forgotten
+0.8
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class VersionMetrics(Message):
 class EvalScore(Message):
     exact_match: float = Field(ge=0.0, le=1.0)
     loss: float
+    # The forgetting guard (retained set, metric exact_match): of the samples the champion
+    # answers exactly, the share this version does not.
+    forgotten: Optional[float] = Field(default=None, ge=0.0, le=1.0)
 
 
 class EvalSetResult(Message):
@@ -116,9 +121,10 @@ EXAMPLE = {
 
 GATE_EXAMPLE = {
     "promote": False, "rule": "eval", "metric": "exact_match", "champion_version_id": "bot@0#0:0-0:9",
-    "reason": "worse than champion bot@0#0:0-0:9 on retained (forgetting guard): exact_match 0.2 < 1.0 - 0.05",
+    "reason": "worse than champion bot@0#0:0-0:9 on retained (forgetting guard): forgot 0.800 of the 64 "
+              "answers the champion got right > 0.05",
     "sets": [{"name": "recent", "size": 16, "candidate": {"exact_match": 0.9, "loss": 0.3},
               "champion": {"exact_match": 0.1, "loss": 2.0}, "tolerance": 0.0, "passed": True},
-             {"name": "retained", "size": 64, "candidate": {"exact_match": 0.2, "loss": 1.9},
+             {"name": "retained", "size": 64, "candidate": {"exact_match": 0.2, "loss": 1.9, "forgotten": 0.8},
               "champion": {"exact_match": 1.0, "loss": 0.1}, "tolerance": 0.05, "passed": False}],
 }
