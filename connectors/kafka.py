@@ -80,6 +80,26 @@ def read_to_end(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
         consumer.close()
 
 
+def read_tail(bootstrap: str, topic: str, limit: int, timeout: float = 10.0, idle: float = 0.5) -> list:
+    """About the last `limit` records of each partition of `topic`, read_committed, oldest first
+    ([] for a missing topic). On Tansu the end offset can fall short of the true end, so a
+    few newer records may come too."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed")
+    try:
+        deadline = time.monotonic() + timeout
+        tps = _from_beginning(consumer, topic, deadline)
+        for tp, end in consumer.end_offsets(tps).items():
+            consumer.seek(tp, max(0, end - limit))
+        records, last_new = [], time.monotonic()
+        while tps and time.monotonic() < deadline and time.monotonic() - last_new < idle:
+            for recs in consumer.poll(timeout_ms=100).values():
+                records.extend(recs)
+                last_new = time.monotonic()
+        return sorted(records, key=lambda r: r.timestamp)
+    finally:
+        consumer.close()
+
+
 def _from_beginning(consumer: KafkaConsumer, topic: str, deadline: float) -> list[TopicPartition]:
     """Assign every partition of `topic` at its first offset, once its metadata is known
     (until `deadline`); [] when the topic never showed up."""

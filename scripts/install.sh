@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what streamtune needs on a fresh Debian 12 machine: Java 17, PostgreSQL with
-# wal2json and docker-compose (to validate the compose file) from Debian; the project and
+# wal2json, docker-compose (to validate the compose file) and chromium (the console's tests)
+# from Debian; the project and
 # its Python dependencies into a virtual environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,7 @@ need=()
 command -v java >/dev/null || need+=(openjdk-17-jre-headless)
 ls /usr/lib/postgresql/*/lib/wal2json.so >/dev/null 2>&1 || need+=(postgresql postgresql-15-wal2json)
 command -v docker-compose >/dev/null || need+=(docker-compose)
+command -v chromium >/dev/null && command -v chromedriver >/dev/null || need+=(chromium chromium-driver)  # console tests
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "install.sh: missing system packages; as root run: apt-get install -y ${need[*]}" >&2

@@ -71,8 +71,15 @@ def api(stack_config, base_model, tmp_path):
     url, log = f"http://127.0.0.1:{port}", tmp_path / "api.log"
     proc = spawn(["api", "--port", str(port)], log)
     wait_for(lambda: listening(url, proc, log, "/openapi.json"), 60, "the API to listen", interval=0.3)
-    yield url
-    kill_group(proc)
+    applied: list[str] = []
+    yield url, applied
+    for name in applied:  # a failed test leaves no job, capture or slot behind
+        requests.delete(f"{url}/v1/pipelines/{name}", headers=AUTH, timeout=300)
+    proc.terminate()  # as a user stops it: the API stops its captures on the way out
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
 
 
 @pytest.fixture
@@ -107,8 +114,71 @@ def served_version(url: str, model_id: str) -> str | None:
     return r.json()["system_fingerprint"] if r.status_code == 200 else None
 
 
+def console_pause_and_resume(api: str, name: str, versions: list[dict], screenshot: Path) -> str:
+    """Open /console in headless chromium, type the token, select the pipeline; check what it
+    shows against the API's answers; pause and resume with its buttons. The resumed job's id."""
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1300,900"):
+        options.add_argument(arg)
+    options.binary_location = "/usr/bin/chromium"
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+    row = f'#pipelines tr[data-name="{name}"]'
+
+    def cells(selector: str) -> list[list[str]]:  # read at once: the console redraws every 5 s
+        return browser.execute_script("return [...document.querySelectorAll(arguments[0])]"
+                                      ".map(tr => [...tr.cells].map(td => td.innerText))", selector)
+
+    def job_cell() -> str:
+        rows = cells(row)
+        return rows[0][2] if rows else ""
+
+    def click(xpath: str) -> None:
+        for _ in range(10):
+            try:
+                return browser.find_element(By.XPATH, xpath).click()
+            except StaleElementReferenceException:
+                continue
+        raise AssertionError(f"{xpath} kept being redrawn")
+
+    try:
+        browser.get(f"{api}/console")
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        browser.find_element(By.ID, "refresh").click()
+        WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.CSS_SELECTOR, row))
+        click(f"//tr[@data-name='{name}']/td[1]")
+        shown = WebDriverWait(browser, 30).until(lambda b: cells("#versions tbody tr"))
+        assert [int(r[0]) for r in shown][:len(versions)] == [v["version"] for v in versions]
+        assert "champion" in shown[0][2]
+        assert len(browser.find_elements(By.CSS_SELECTOR, "circle.loss-point")) >= len(versions)
+        assert browser.find_element(By.ID, "error").text == ""
+        click(f"//tr[@data-name='{name}']//button[text()='Pause']")
+        WebDriverWait(browser, 120).until(lambda b: job_cell() == "PAUSED")
+        paused = requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()
+        assert paused["paused"] and paused["capture"]["running"], "paused: the job stops, the capture goes on"
+        click(f"//tr[@data-name='{name}']//button[text()='Resume']")
+        WebDriverWait(browser, 120).until(lambda b: job_cell() == "RUNNING")
+        browser.save_screenshot(str(screenshot))
+        # A failed call is shown, not swallowed: a wrong token.
+        browser.find_element(By.ID, "token").clear()
+        browser.find_element(By.ID, "token").send_keys("wrong-token")
+        click(f"//tr[@data-name='{name}']//button[text()='Pause']")
+        WebDriverWait(browser, 30).until(lambda b: "401" in b.find_element(By.ID, "error").text)
+    finally:
+        browser.quit()
+    state = requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()
+    assert state["job_state"] == "RUNNING" and not state["paused"]
+    return state["job_id"]
+
+
 def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_nothing(
         stack_config, api, serve, unique, tmp_path):
+    api, applied = api
     dsn, table, name = stack_config.postgres_dsn, f"lc_answers_{unique.replace('-', '_')}", f"lc-pg-{unique}"
     psql(dsn, f"CREATE TABLE {table} (id int PRIMARY KEY, q text, a text, status text)")
     pipeline = {"model_id": name, "stream_source": f"postgres://127.0.0.1:{stack_config.postgres_port}/streamtune"
@@ -120,6 +190,7 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
     file = tmp_path / "pipeline.yaml"
     file.write_text(yaml.safe_dump(pipeline))
 
+    applied.append(name)
     created = streamtune(api, "apply", "-f", str(file))
     assert created["action"] == "created" and created["job_id"]
     again = streamtune(api, "apply", "-f", str(file))
@@ -157,9 +228,13 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
                          and c["running"] and c, 30, "the capture to be restarted", interval=0.5)
     assert restarted["pid"] != capture_pid
 
+    # The web console, in a real browser: the versions, the loss curve, pause and resume.
+    resumed_job = console_pause_and_resume(api, name, versions, tmp_path / "console.png")
+
     deleted = streamtune(api, "delete", "-f", str(file))
     assert deleted["job_stopped"] and deleted["savepoint"] and deleted["capture_stopped"]
-    job = requests.get(f"{stack_config.flink_rest_url}/jobs/{created['job_id']}", timeout=5).json()
+    assert deleted["job_id"] == resumed_job
+    job = requests.get(f"{stack_config.flink_rest_url}/jobs/{resumed_job}", timeout=5).json()
     assert job["state"] == "FINISHED", "stopped with a savepoint"
     assert not alive(restarted["pid"]) and capture_processes(connector_name(name)) == [], "no capture left behind"
     assert psql(dsn, f"SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{connector_name(name)}'"
@@ -169,6 +244,7 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
 
 
 def test_post_a_mongo_pipeline_documents_become_versions(stack_config, api, unique):
+    api, applied = api
     db, name = f"lc_{unique.replace('-', '_')}", f"lc-mongo-{unique}"
     mongo = pymongo.MongoClient(stack_config.mongo_uri)
     mongo[db].create_collection("reviews")
@@ -178,6 +254,7 @@ def test_post_a_mongo_pipeline_documents_become_versions(stack_config, api, uniq
                 "trigger_policy": {"min_samples_per_window": 3, "window_seconds": 2},
                 "training": {"lr": 0.01, "micro_batch_size": 8},
                 "cdc": {"prompt": "text", "completion": "reply.body"}}
+    applied.append(name)
     r = requests.post(f"{api}/v1/pipelines", json=pipeline, headers=AUTH, timeout=120)
     assert r.status_code == 201, r.text
     assert requests.post(f"{api}/v1/pipelines", json=pipeline, headers=AUTH, timeout=120).json()["action"] == \

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse
 
 from core import defaults
 from core.errors import ConfigError
@@ -70,6 +72,7 @@ class ApiSettings:
     job_script: Path = JOB_SCRIPT
     extra_job_args: list[str] = field(default_factory=list)
     flink_timeout_s: float = 300.0
+    cors_origins: list[str] = field(default_factory=list)  # STREAMTUNE_API_CORS_ORIGINS, comma-separated
 
     def __post_init__(self) -> None:
         s = self.stack
@@ -88,7 +91,25 @@ class ApiSettings:
         read_auth = os.environ.get("STREAMTUNE_API_READ_AUTH", "").lower() in ("1", "true", "yes")
         kwargs.setdefault("stack", StackConfig.from_env())
         kwargs.setdefault("read_auth", read_auth)
+        kwargs.setdefault("cors_origins", [o.strip() for o in os.environ.get("STREAMTUNE_API_CORS_ORIGINS", "").split(",")
+                                           if o.strip()])
         return cls(token=read_token(token_file), **kwargs)
+
+
+CONSOLE = Path(__file__).resolve().parent / "console"
+
+
+def add_console(app: FastAPI) -> None:
+    """The web console (GET /console) and the front-end feedback hook (GET /feedback.js):
+    static files; every action they take is a call to this API with the user's token."""
+    def static(name: str, media_type: str):
+        return lambda: FileResponse(CONSOLE / name, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    app.add_api_route("/console", static("index.html", "text/html"), methods=["GET"], include_in_schema=False)
+    app.add_api_route("/console/console.js", static("console.js", "text/javascript"), methods=["GET"],
+                      include_in_schema=False)
+    app.add_api_route("/feedback.js", static("feedback.js", "text/javascript"), methods=["GET"],
+                      include_in_schema=False)
 
 
 def capture_env(stack: StackConfig) -> dict[str, str]:
@@ -177,4 +198,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(router)
     app.include_router(pipelines_router)
+    add_console(app)
+    if settings.cors_origins:  # pages on these origins may post feedback (feedback.js)
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app

@@ -5,7 +5,9 @@ Each capture is `streamtune cdc` as a child process in a session of its own, log
 30 s between attempts; its log says why it exited). A capture resumes from its durable
 position (the replication slot and the offsets topic), so a restart repeats at most what
 was in flight, which the retrain job drops. The API stops its captures when it exits and
-starts them again for the pipelines on record when it starts.
+starts them again for the pipelines on record when it starts. Each capture's pid is kept in
+`<dir>/<name>.pid`: a capture left running by an API that was killed is stopped before a
+new one starts (two captures would fight over one replication slot).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class CaptureSupervisor:
                 return current.proc.pid
             if current is not None:
                 _terminate(current.proc)
+            else:
+                self._stop_orphan(name)
             capture = _Capture(argv, self.log_dir / f"{name}.log")
             self._spawn(name, capture)
             self._captures[name] = capture
@@ -62,8 +66,9 @@ class CaptureSupervisor:
         with self._lock:
             capture = self._captures.pop(name, None)
         if capture is None:
-            return False
+            return self._stop_orphan(name)
         _terminate(capture.proc)
+        self._pid_file(name).unlink(missing_ok=True)
         return True
 
     def status(self, name: str) -> Optional[dict]:
@@ -87,7 +92,30 @@ class CaptureSupervisor:
             capture.proc = subprocess.Popen(capture.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True)
         capture.started_at = time.monotonic()
+        self._pid_file(name).write_text(str(capture.proc.pid))
         log.info("capture %s started (pid %d)", name, capture.proc.pid)
+
+    def _pid_file(self, name: str) -> Path:
+        return self.log_dir / f"{name}.pid"
+
+    def _stop_orphan(self, name: str) -> bool:
+        """Stop a capture `name` that an earlier API process started and left running."""
+        try:
+            pid = int(self._pid_file(name).read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return False
+        if name.encode() not in cmdline:
+            return False  # the pid belongs to some other process by now
+        log.warning("stopping capture %s (pid %d) left running by an earlier API process", name, pid)
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if Path(f"/proc/{pid}").exists():
+            os.killpg(pid, signal.SIGKILL)
+        self._pid_file(name).unlink(missing_ok=True)
+        return True
 
     def _watch(self) -> None:
         while not self._closed.wait(self.poll_s):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 import requests
 from kafka import KafkaProducer
 
-from connectors.kafka import create_topic
+from connectors.kafka import create_topic, read_tail
 from core.errors import ServiceUnavailable, StreamtuneError
 from core.messages import Message
 from streamtune.stack.config import StackConfig
@@ -203,6 +203,13 @@ class StackGateway:
                 f.get(timeout=30)
         except Exception as e:
             raise StackUnavailable(f"producing to Kafka topic {topic} failed: {type(e).__name__}: {e}")
+
+    def tail(self, topic: str, limit: int) -> list:
+        """About the last `limit` committed records of each partition of `topic`."""
+        try:
+            return read_tail(self.stack.kafka_bootstrap, topic, limit)
+        except Exception as e:
+            raise StackUnavailable(f"reading Kafka topic {topic} failed: {type(e).__name__}: {e}")
 
     def _kafka_producer(self) -> KafkaProducer:
         with self._producer_lock:

@@ -6,6 +6,9 @@
 | GET    /v1/pipelines              | read_auth | every pipeline with its job and capture state       |
 | GET    /v1/pipelines/{name}       | read_auth | one of them                                         |
 | DELETE /v1/pipelines/{name}       | bearer    | stop its job (savepoint) and capture; forget it     |
+| POST   /v1/pipelines/{name}/pause  | bearer    | CDC: stop the job with a savepoint (capture goes on)|
+| POST   /v1/pipelines/{name}/resume | bearer    | CDC: resubmit the job from that savepoint           |
+| GET    /v1/pipelines/{name}/dlq    | read_auth | the newest dead letters of its job, with reasons    |
 
 Applying is idempotent, in kubectl's habits: the same pipeline again is `unchanged` and
 touches nothing; `changes` lists each field that differs (`path: old -> new`), and a dry run
@@ -20,23 +23,29 @@ answers that without acting.
   the `cdc` block stops the job with a savepoint and resubmits it from there with the new
   mapping. Deleting stops the job with a savepoint, stops the capture and drops its
   replication slot and publication (PostgreSQL), so the server keeps no WAL for it.
+- Pausing a CDC pipeline stops its job with a savepoint; the capture keeps writing changes
+  to Kafka, where they wait. Resuming submits the job from the savepoint: nothing is lost or
+  trained twice. An apply while paused records the change and leaves the job stopped. (A
+  `kafka://` pipeline shares its topic's job with other models: stop it instead.)
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any, Literal, Optional
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from core import defaults
+from core.messages import DeadLetter
 from core.sources.postgres import PostgresSource
 from streamtune.pipeline import Pipeline, connector_name
 
-from .gateway import LIVE_STATES, StackUnavailable
+from .gateway import LIVE_STATES, StackUnavailable, job_topics
 from .routes import (AUTH_ERR, BAD_BODY, NOT_FOUND, STACK_ERR, TOO_LARGE, ControlPlane, ModelIdPath, Plane, Reader,
                      Writer, _now_ms, apply_spec, stop_model)
 
@@ -60,6 +69,7 @@ class PipelineState(BaseModel):
     job_state: Optional[str] = None
     capture: Optional[dict[str, Any]] = None
     topics: dict[str, str] = {}
+    paused: Optional[str] = None   # the savepoint a paused CDC pipeline resumes from
 
 
 class DeleteResponse(BaseModel):
@@ -121,7 +131,7 @@ def apply(pipeline: Pipeline, actor: Writer, plane: Plane, dry_run: bool = False
             data = plane.jobs.load()  # apply_spec recorded the model and its job
         data["pipelines"][pipeline.name] = {
             "pipeline": new, "hash": pipeline.pipeline_hash(), "kind": "cdc" if pipeline.is_cdc else "kafka",
-            "job_id": job_id, "applied_at": _now_ms(),
+            "job_id": job_id, "applied_at": _now_ms(), "paused": entry.get("paused") if entry else None,
             "topics": pipeline_topics(pipeline.name) if pipeline.is_cdc else {}}
         plane.jobs.save(data)
         return JSONResponse(ApplyResponse(name=pipeline.name, action=action, changes=diff, dry_run=False,
@@ -164,15 +174,93 @@ def delete(name: ModelIdPath, actor: Writer, plane: Plane):
                               capture_stopped=capture_stopped)
 
 
+class PauseResponse(BaseModel):
+    name: str
+    paused: bool
+    job_id: Optional[str] = None
+    savepoint: Optional[str] = None
+
+
+class DeadLetterView(BaseModel):
+    reason: str
+    detail: str
+    kind: Optional[str] = None
+    model_id: Optional[str] = None
+    topic: Optional[str] = None
+    partition: Optional[int] = None
+    offset: Optional[int] = None
+    payload: Optional[str] = None
+    ts: int
+
+
+@router.post("/v1/pipelines/{name}/pause", response_model=PauseResponse,
+             responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR, 409: {"description": "not a CDC pipeline"}})
+def pause(name: ModelIdPath, actor: Writer, plane: Plane):
+    with plane.jobs_lock:
+        data = plane.jobs.load()
+        entry = _cdc_entry(data, name)
+        if entry.get("paused"):
+            return PauseResponse(name=name, paused=True, job_id=entry.get("job_id"), savepoint=entry["paused"])
+        job_id = entry.get("job_id")
+        if not job_id or _job_state(plane, job_id) not in LIVE_STATES:
+            raise HTTPException(409, f"the job of pipeline {name} is not running ({job_id}); apply it again")
+        savepoint = plane.gateway.stop_with_savepoint(job_id)
+        if savepoint is None:
+            raise StackUnavailable(f"job {job_id} stopped without reporting a savepoint")
+        entry["paused"] = savepoint
+        plane.jobs.save(data)
+        return PauseResponse(name=name, paused=True, job_id=job_id, savepoint=savepoint)
+
+
+@router.post("/v1/pipelines/{name}/resume", response_model=PauseResponse,
+             responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR, 409: {"description": "not a CDC pipeline"}})
+def resume(name: ModelIdPath, actor: Writer, plane: Plane):
+    with plane.jobs_lock:
+        data = plane.jobs.load()
+        entry = _cdc_entry(data, name)
+        savepoint = entry.get("paused")
+        if not savepoint:
+            return PauseResponse(name=name, paused=False, job_id=entry.get("job_id"))
+        job_id = plane.gateway.submit_cdc_job(f"pipeline.{name}", entry["topics"], _mapping_file(plane, name),
+                                              savepoint)
+        entry.update(job_id=job_id, paused=None)
+        plane.jobs.save(data)
+        return PauseResponse(name=name, paused=False, job_id=job_id, savepoint=savepoint)
+
+
+@router.get("/v1/pipelines/{name}/dlq", response_model=list[DeadLetterView], responses={**AUTH_ERR, **NOT_FOUND,
+                                                                                         **STACK_ERR})
+def dead_letters(name: ModelIdPath, actor: Reader, plane: Plane, limit: int = Query(50, ge=1, le=1000)):
+    """The newest dead letters of the pipeline's job (job-wide for a kafka:// topic shared by models)."""
+    data = plane.jobs.load()
+    entry = _entry(data, name)
+    if entry["kind"] == "cdc":
+        topic = entry["topics"]["dlq"]
+    else:
+        model = data["models"].get(name)
+        topic = job_topics(model["topic"])["dlq"] if model else None
+    out = []
+    for record in plane.gateway.tail(topic, limit) if topic else []:
+        try:
+            d = DeadLetter.from_json(record.value)
+            out.append(DeadLetterView(reason=d.reason, detail=d.detail, kind=d.kind, model_id=d.model_id,
+                                      topic=d.source.topic, partition=d.source.partition, offset=d.source.offset,
+                                      payload=(d.payload or "")[:500], ts=record.timestamp))
+        except ValueError as e:  # written by something else: shown, not hidden
+            out.append(DeadLetterView(reason="unreadable", detail=str(e).splitlines()[0][:300], ts=record.timestamp,
+                                      payload=record.value[:500].decode(errors="replace")))
+    return out[-limit:]
+
+
 # ---------------------------------------------------------------- CDC pipelines
 
 def _apply_cdc(plane: ControlPlane, pipeline: Pipeline, entry: Optional[dict], restart: bool) -> str:
     """Mapping file, capture, job, spec: whatever of them the change needs; the job's id."""
     topics = pipeline_topics(pipeline.name)
-    mapping_file = plane.pipelines_dir / pipeline.name / "mapping.json"
+    mapping_file = _mapping_file(plane, pipeline.name)
     job_id = entry.get("job_id") if entry else None
     restore_from = None
-    if restart and job_id and _job_state(plane, job_id) in LIVE_STATES:
+    if restart and job_id and not entry.get("paused") and _job_state(plane, job_id) in LIVE_STATES:
         restore_from = plane.gateway.stop_with_savepoint(job_id)
         if restore_from is None:
             raise StackUnavailable(f"job {job_id} stopped without reporting a savepoint; apply again to resubmit")
@@ -180,7 +268,9 @@ def _apply_cdc(plane: ControlPlane, pipeline: Pipeline, entry: Optional[dict], r
         mapping_file.parent.mkdir(parents=True, exist_ok=True)
         mapping_file.write_text(pipeline.mapping().model_dump_json(indent=1, exclude_none=True))
     start_capture(plane, pipeline)
-    if restart or not entry or job_id is None or _job_state(plane, job_id) not in LIVE_STATES:
+    if entry and entry.get("paused"):
+        pass  # resume submits the job from its savepoint, with this mapping
+    elif restart or not entry or job_id is None or _job_state(plane, job_id) not in LIVE_STATES:
         job_id = plane.gateway.submit_cdc_job(f"pipeline.{pipeline.name}", topics, mapping_file, restore_from)
     spec = pipeline.finetune_spec()
     now = _now_ms()
@@ -210,14 +300,22 @@ def _drop_slot(plane: ControlPlane, pipeline: Pipeline, connector: str) -> None:
     import psycopg
 
     env = plane.captures.env
-    try:
-        with psycopg.connect(pipeline.source.dsn, user=env.get("PGUSER"), password=env.get("PGPASSWORD"),
-                             autocommit=True, connect_timeout=10) as conn:
-            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                         (connector,))
-            conn.execute(f'DROP PUBLICATION IF EXISTS "{connector}"')  # connector_name: an identifier
-    except psycopg.Error as e:
-        raise StackUnavailable(f"dropping replication slot {connector} failed: {str(e).strip()[:300]}")
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            with psycopg.connect(pipeline.source.dsn, user=env.get("PGUSER"), password=env.get("PGPASSWORD"),
+                                 autocommit=True, connect_timeout=10) as conn:
+                conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                             "WHERE slot_name = %s", (connector,))
+                conn.execute(f'DROP PUBLICATION IF EXISTS "{connector}"')  # connector_name: an identifier
+                return
+        except psycopg.errors.ObjectInUse:  # the stopped capture's walsender is still on its way out
+            if time.monotonic() > deadline:
+                raise StackUnavailable(f"replication slot {connector} is still in use 15 s after its capture "
+                                       "stopped; delete the pipeline again") from None
+            time.sleep(0.2)
+        except psycopg.Error as e:
+            raise StackUnavailable(f"dropping replication slot {connector} failed: {str(e).strip()[:300]}")
 
 
 def _state(plane: ControlPlane, name: str, entry: dict) -> PipelineState:
@@ -228,7 +326,7 @@ def _state(plane: ControlPlane, name: str, entry: dict) -> PipelineState:
     return PipelineState(name=name, kind=entry["kind"], hash=entry["hash"], pipeline=entry["pipeline"],
                          job_id=job_id, job_state=_job_state(plane, job_id) if job_id else None,
                          capture=plane.captures.status(connector_name(name)) if entry["kind"] == "cdc" else None,
-                         topics=entry.get("topics", {}))
+                         topics=entry.get("topics", {}), paused=entry.get("paused"))
 
 
 def _job_state(plane: ControlPlane, job_id: str) -> Optional[str]:
@@ -236,6 +334,18 @@ def _job_state(plane: ControlPlane, job_id: str) -> Optional[str]:
         return plane.gateway.job_state(job_id)
     except StackUnavailable:
         return None
+
+
+def _mapping_file(plane: ControlPlane, name: str):
+    return plane.pipelines_dir / name / "mapping.json"
+
+
+def _cdc_entry(data: dict, name: str) -> dict:
+    entry = _entry(data, name)
+    if entry["kind"] != "cdc":
+        raise HTTPException(409, f"pipeline {name} reads a Kafka topic whose job other models share: "
+                                 "stop it with DELETE instead")
+    return entry
 
 
 def _entry(data: dict, name: str) -> dict:

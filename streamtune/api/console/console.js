@@ -1,0 +1,191 @@
+// The streamtune web console: plain DOM, no build step. Every call goes to the control
+// plane's own REST API with the bearer token typed in the header (kept for this tab only).
+// Errors are shown in the banner, never swallowed.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+let selected = null;          // the pipeline whose versions are shown
+let championVersion = null;
+
+function token() { return $("#token").value.trim(); }
+
+async function api(method, path, body) {
+  const headers = {"Accept": "application/json"};
+  if (token()) headers["Authorization"] = "Bearer " + token();
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const r = await fetch(path, {method, headers, body: body === undefined ? undefined : JSON.stringify(body)});
+  let payload = null;
+  try { payload = await r.json(); } catch (e) { payload = {detail: r.statusText}; }
+  if (!r.ok) {
+    const detail = Array.isArray(payload.detail)
+      ? payload.detail.map((d) => (d.loc || []).join(".") + ": " + d.msg).join("; ") : payload.detail;
+    throw new Error(`${method} ${path} → ${r.status}: ${detail}`);
+  }
+  return payload;
+}
+
+// An action's error stays until the next action; a refresh's until the next refresh.
+const errors = {action: null, refresh: null};
+
+function showError(e, source = "action") {
+  errors[source] = e ? String(e.message || e) : null;
+  const text = [errors.action, errors.refresh].filter(Boolean).join("\n");
+  const box = $("#error");
+  box.textContent = text;
+  box.style.display = text ? "block" : "none";
+}
+
+function cell(row, content) {
+  const td = document.createElement("td");
+  if (content instanceof Node) td.appendChild(content); else td.textContent = content ?? "";
+  row.appendChild(td);
+  return td;
+}
+
+function button(label, onClick, confirmText) {
+  const b = document.createElement("button");
+  b.textContent = label;
+  b.addEventListener("click", async (ev) => {
+    ev.stopPropagation();
+    if (confirmText && !window.confirm(confirmText)) return;
+    b.disabled = true;
+    try { await onClick(); showError(null); await refresh(); } catch (e) { showError(e); }
+    finally { b.disabled = false; }
+  });
+  return b;
+}
+
+function tags(names) {
+  const span = document.createElement("span");
+  for (const n of names) {
+    const t = document.createElement("span");
+    t.className = "tag " + n; t.textContent = n; span.appendChild(t);
+  }
+  return span;
+}
+
+async function refreshPipelines() {
+  const pipelines = await api("GET", "/v1/pipelines");
+  const body = $("#pipelines tbody");
+  body.replaceChildren();
+  $("#no-pipelines").hidden = pipelines.length > 0;
+  for (const p of pipelines) {
+    const tr = document.createElement("tr");
+    tr.dataset.name = p.name;
+    if (p.name === selected) tr.className = "selected";
+    cell(tr, p.name);
+    cell(tr, p.pipeline.stream_source);
+    const job = cell(tr, p.paused ? "PAUSED" : (p.job_state || "—"));
+    job.className = "state-" + (p.paused ? "PAUSED" : p.job_state);
+    cell(tr, p.capture ? (p.capture.running ? `running, pid ${p.capture.pid}` : "not running")
+                         + (p.capture.restarts ? `, ${p.capture.restarts} restarts` : "") : "—");
+    const tp = p.pipeline.trigger_policy;
+    cell(tr, `${tp.min_samples_per_window} samples / ${tp.window_seconds} s`);
+    const actions = document.createElement("span");
+    if (p.kind === "cdc") {
+      actions.appendChild(p.paused
+        ? button("Resume", () => api("POST", `/v1/pipelines/${p.name}/resume`))
+        : button("Pause", () => api("POST", `/v1/pipelines/${p.name}/pause`)));
+    }
+    actions.appendChild(button("Delete", () => api("DELETE", `/v1/pipelines/${p.name}`),
+                               `Delete pipeline ${p.name}? Its job stops with a savepoint.`));
+    cell(tr, actions);
+    tr.addEventListener("click", () => { selected = p.name; refresh(); });
+    body.appendChild(tr);
+  }
+}
+
+function drawLossCurve(versions) {
+  const svg = $("#loss-curve");
+  svg.replaceChildren();
+  const points = versions.filter((v) => v.loss_after != null);
+  if (points.length === 0) return;
+  const w = +svg.getAttribute("width"), h = +svg.getAttribute("height"), pad = 24;
+  const ys = points.map((v) => v.loss_after);
+  const lo = Math.min(...ys), hi = Math.max(...ys), span = hi - lo || 1;
+  const x = (i) => pad + (points.length === 1 ? 0 : i * (w - 2 * pad) / (points.length - 1));
+  const y = (v) => h - pad - (v - lo) * (h - 2 * pad) / span;
+  const ns = "http://www.w3.org/2000/svg";
+  const line = document.createElementNS(ns, "polyline");
+  line.setAttribute("points", points.map((v, i) => `${x(i)},${y(v.loss_after)}`).join(" "));
+  line.setAttribute("fill", "none"); line.setAttribute("stroke", "#3366cc"); line.setAttribute("stroke-width", "2");
+  svg.appendChild(line);
+  points.forEach((v, i) => {
+    const dot = document.createElementNS(ns, "circle");
+    dot.setAttribute("cx", x(i)); dot.setAttribute("cy", y(v.loss_after)); dot.setAttribute("r", 3);
+    dot.setAttribute("fill", v.aliases.includes("champion") ? "#127a2c" : "#3366cc");
+    dot.setAttribute("class", "loss-point");
+    const title = document.createElementNS(ns, "title");
+    title.textContent = `v${v.version}: loss ${v.loss_after}`;
+    dot.appendChild(title);
+    svg.appendChild(dot);
+  });
+  for (const [text, yy] of [[hi.toFixed(3), pad - 8], [lo.toFixed(3), h - 6]]) {
+    const label = document.createElementNS(ns, "text");
+    label.setAttribute("x", 2); label.setAttribute("y", yy); label.setAttribute("font-size", "10");
+    label.textContent = text; svg.appendChild(label);
+  }
+}
+
+async function refreshModel() {
+  $("#model").hidden = selected === null;
+  if (selected === null) return;
+  $("#model-name").textContent = selected;
+  let versions = [];
+  try {
+    versions = (await api("GET", `/v1/models/${selected}/versions`)).versions;
+  } catch (e) {
+    if (!String(e.message).includes("→ 404")) throw e;   // no version registered yet
+  }
+  const body = $("#versions tbody");
+  body.replaceChildren();
+  championVersion = null;
+  for (const v of versions) {
+    if (v.aliases.includes("champion")) championVersion = v.version;
+    const tr = document.createElement("tr");
+    cell(tr, v.version); cell(tr, v.seq); cell(tr, tags(v.aliases)); cell(tr, v.samples);
+    cell(tr, v.loss_after != null ? v.loss_after.toFixed(4) : "");
+    cell(tr, v.window_end ? new Date(v.window_end).toISOString() : "");
+    cell(tr, v.aliases.includes("champion") ? "" : button("Promote", () =>
+      api("POST", `/v1/models/${selected}/aliases`, {alias: "champion", version: v.version})));
+    body.appendChild(tr);
+  }
+  drawLossCurve(versions);
+  $("#rollback").disabled = !versions.some((v) => championVersion !== null && v.version < championVersion);
+  const letters = await api("GET", `/v1/pipelines/${selected}/dlq?limit=100`);
+  const dlq = $("#dlq tbody");
+  dlq.replaceChildren();
+  $("#no-dlq").hidden = letters.length > 0;
+  for (const d of letters.slice().reverse()) {
+    const tr = document.createElement("tr");
+    cell(tr, d.reason); cell(tr, d.kind); cell(tr, d.detail);
+    cell(tr, d.topic != null ? `${d.topic}[${d.partition}]@${d.offset}` : "");
+    const code = document.createElement("code"); code.textContent = d.payload || "";
+    cell(tr, code);
+    dlq.appendChild(tr);
+  }
+}
+
+async function refresh() {
+  try {
+    await refreshPipelines();
+    await refreshModel();
+    showError(null, "refresh");
+    $("#updated").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (e) { showError(e, "refresh"); }
+}
+
+$("#rollback").addEventListener("click", async () => {
+  try {
+    const versions = (await api("GET", `/v1/models/${selected}/versions`)).versions;
+    const previous = versions.filter((v) => v.version < championVersion).pop();
+    if (!previous) throw new Error("no version before the champion");
+    await api("POST", `/v1/models/${selected}/aliases`, {alias: "champion", version: previous.version});
+    await refresh();
+  } catch (e) { showError(e); }
+});
+$("#token").value = sessionStorage.getItem("streamtune-token") || "";
+$("#token").addEventListener("change", () => { sessionStorage.setItem("streamtune-token", token()); refresh(); });
+$("#refresh").addEventListener("click", refresh);
+refresh();
+setInterval(refresh, 5000);
