@@ -260,7 +260,7 @@ class FinetuneFunction(KeyedProcessFunction):
         trainer = LoraTrainer.for_base(base)
         replayed = draw_replay(quality.replay, len(batch), replay.ratio, seed) if replay else []
         result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
-                              replay=replayed)
+                              replay=replayed, ewc=spec.ewc)
         # Written before the state moves on; a replay writes the same bytes under the same name.
         artifact = self.store.put(result.files, result.sha256)
         gate = self._gate(trainer, model_id, spec, quality, result.metrics["loss_after"]) if evaluation else None

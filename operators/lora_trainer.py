@@ -16,6 +16,9 @@ which is what makes a replay after a crash produce the same version.
 metrics stay those of the window's samples. Gradient accumulation (`flush_every`
 micro-batches per optimizer step) normalises each micro-batch by the weight of its whole
 accumulation group, so it gives the update of one batch `flush_every` times the size.
+With `ewc` (online EWC), each optimizer step also pays (strength/2)·Σ F·(θ − θ_prev)², θ_prev
+the adapter after the previous step and F a running empirical Fisher (squared micro-batch
+gradients of each window, older estimates decayed); both travel in the state.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from core.messages import AdapterConfig, TrainingConfig
+from core.messages import AdapterConfig, EwcConfig, TrainingConfig
 from core.batching import collate, encode_example
 
 _BASES: dict[str, "LoraTrainer"] = {}
@@ -108,12 +111,12 @@ class LoraTrainer:
 
     # -- one step -----------------------------------------------------------------------
     def step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
-             samples: list, seed: int, replay: list = ()) -> StepResult:
+             samples: list, seed: int, replay: list = (), ewc: EwcConfig | None = None) -> StepResult:
         with self._lock:
-            return self._step(model_id, adapter, training, state, samples, seed, replay)
+            return self._step(model_id, adapter, training, state, samples, seed, replay, ewc)
 
     def _step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
-              samples: list, seed: int, replay: list = ()) -> StepResult:
+              samples: list, seed: int, replay: list = (), ewc: EwcConfig | None = None) -> StepResult:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         started = time.perf_counter()
@@ -137,7 +140,9 @@ class LoraTrainer:
         replayed, replay_weights = self._encode(replay, training)
         tokens = sum(len(e["input_ids"]) for e in examples + replayed)
         loss_before = self._mean_loss(examples, weights, training)
-        self._train(examples + replayed, weights + replay_weights, training, optimizer, seed)
+        consolidated = load_safetensors(state["ewc"]) if ewc and not fresh and state.get("ewc") else None
+        penalty = _ewc_penalty(params, consolidated, ewc.strength) if consolidated else None
+        self._train(examples + replayed, weights + replay_weights, training, optimizer, seed, penalty)
         loss_after = self._mean_loss(examples, weights, training)
 
         lora = {k: v.detach().to("cpu").clone().contiguous()
@@ -146,6 +151,7 @@ class LoraTrainer:
         optim_buf = io.BytesIO()
         torch.save(optimizer.state_dict(), optim_buf)
         steps = (0 if fresh else state["steps"]) + 1
+        extra = {"ewc": self._consolidate(params, examples, weights, training, consolidated, ewc)} if ewc else {}
         sha256 = hashlib.sha256(lora_bytes).hexdigest()
         self._live[name] = (sha256, optimizer)
         config = self.model.peft_config[name].to_dict()
@@ -155,7 +161,7 @@ class LoraTrainer:
                  "adapter_model.safetensors": lora_bytes}
         return StepResult(
             state={"shape": adapter.shape_key, "lora": lora_bytes, "optim": optim_buf.getvalue(), "steps": steps,
-                   "sha256": sha256},
+                   "sha256": sha256, **extra},
             files=files, sha256=sha256, fresh_adapter=fresh,
             metrics={"loss_before": loss_before, "loss_after": loss_after, "samples": len(samples),
                      "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4),
@@ -249,7 +255,34 @@ class LoraTrainer:
             weight += float(w.sum())
         return round(total / weight, 6) if weight else 0.0
 
-    def _train(self, examples: list, weights: list, training: TrainingConfig, optimizer, seed: int) -> None:
+    def _consolidate(self, params: list, examples: list, weights: list, training: TrainingConfig,
+                     previous: dict | None, ewc: EwcConfig) -> bytes:
+        """This step's anchor (the weights now) and running Fisher, as safetensors bytes."""
+        self.model.eval()
+        squares = {n: torch.zeros_like(p) for n, p in params}
+        batches = 0
+        for batch, w in self._batches(examples, weights, training.micro_batch_size):
+            if float(w.sum()) == 0.0:
+                continue
+            self.model.zero_grad(set_to_none=True)
+            with self._autocast(training):
+                self._loss(batch, w).backward()
+            for n, p in params:
+                if p.grad is not None:
+                    squares[n] += p.grad.detach().float() ** 2
+            batches += 1
+        self.model.zero_grad(set_to_none=True)
+        tensors = {}
+        for n, p in params:
+            fisher = squares[n] / max(batches, 1)
+            if previous is not None and f"fisher.{n}" in previous:
+                fisher = ewc.fisher_decay * previous[f"fisher.{n}"].to(fisher.device) + fisher
+            tensors[f"fisher.{n}"] = fisher.cpu().contiguous()
+            tensors[f"anchor.{n}"] = p.detach().cpu().clone().contiguous()
+        return save_safetensors(tensors)
+
+    def _train(self, examples: list, weights: list, training: TrainingConfig, optimizer, seed: int,
+               penalty=None) -> None:
         self.model.train()
         scaler = torch.amp.GradScaler(enabled=training.precision == "fp16" and self.device.type == "cuda")
         optimizer.zero_grad(set_to_none=True)
@@ -268,10 +301,22 @@ class LoraTrainer:
                 with self._autocast(training):
                     loss = self._loss(batch, w, group_weight)
                 scaler.scale(loss).backward()
+            if penalty is not None:
+                scaler.scale(penalty()).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
         self.model.eval()
+
+
+def _ewc_penalty(params: list, consolidated: dict, strength: float):
+    """(strength/2)·Σ F·(θ − θ_anchor)² over the adapter's parameters, as a callable."""
+    terms = [(p, consolidated[f"fisher.{n}"].to(p.device), consolidated[f"anchor.{n}"].to(p.device))
+             for n, p in params if f"fisher.{n}" in consolidated]
+
+    def penalty() -> torch.Tensor:
+        return 0.5 * strength * sum((f * (p - a) ** 2).sum() for p, f, a in terms)
+    return penalty
 
 
 def threads_from_env() -> None:

@@ -1,4 +1,4 @@
-"""Learning quality in the trainer, on the CPU without Flink: gradient accumulation, the
+"""Learning quality in the trainer, on the CPU without Flink: gradient accumulation, EWC, the
 promotion gate and the replay buffer driven through the job's own FinetuneFunction (keyed
 state held in variables), retractions, and bit-identical replays.
 
@@ -210,3 +210,27 @@ def test_retracted_rows_leave_eval_sets_and_replay_buffer(base, tmp_path):
     assert in_eval not in kept_rows and in_replay not in kept_rows
     assert len(after.retained) == len(before.retained) - 1 and len(after.replay) == len(before.replay) - 1
     assert fn.counters.counts["kept_samples_retracted"] == 2
+
+
+# ------------------------------------------------------------------------- EWC
+
+def test_ewc_pulls_the_next_steps_towards_the_previous_version(base):
+    from safetensors.torch import load
+
+    from core.messages import EwcConfig
+
+    trainer = LoraTrainer.for_base(base)
+    adapter = AdapterConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    training = TrainingConfig(lr=0.01, micro_batch_size=32, epochs=2)
+    a = [Kept(f"a{i}", p, c) for i, (p, c) in enumerate(task_a(128, seed=1))]
+    b = [Kept(f"b{i}", p, c) for i, (p, c) in enumerate(task_b(128, seed=2))]
+    moved = {}
+    for strength in (None, 1e6):
+        ewc = EwcConfig(strength=strength) if strength else None
+        model_id = f"ewc-{strength}"
+        state = trainer.step(model_id, adapter, training, None, a, seed=1, ewc=ewc).state
+        assert ("ewc" in state) == bool(ewc)
+        after_a = load(state["lora"])
+        after_b = load(trainer.step(model_id, adapter, training, state, b, seed=2, ewc=ewc).state["lora"])
+        moved[strength] = sum(float((after_b[k] - after_a[k]).norm()) for k in after_a)
+    assert moved[1e6] < 0.5 * moved[None], moved

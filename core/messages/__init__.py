@@ -22,12 +22,12 @@ from core.messages.change import ChangeEnvelope, ChangeOrigin, ChangeSource, Ret
 from core.messages.dead_letter import DeadLetter, SourcePosition
 from core.messages.feedback import FeedbackSample
 from core.messages.inference import InferenceRecord
-from core.messages.spec import AdapterConfig, EvaluationConfig, FinetuneSpec, ReplayConfig, TrainingConfig, TriggerPolicy
+from core.messages.spec import AdapterConfig, EvaluationConfig, EwcConfig, FinetuneSpec, ReplayConfig, TrainingConfig, TriggerPolicy
 from core.messages.trigger import RetrainTrigger
 from core.messages.version import (EvalScore, EvalSetResult, GateDecision, Lineage, OffsetRange, VersionMetrics,
                                   VersionRecord)
 
 __all__ = ["AliasMove", "MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
            "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample", "InferenceRecord",
-           "AdapterConfig", "EvaluationConfig", "FinetuneSpec", "ReplayConfig", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
+           "AdapterConfig", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "ReplayConfig", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
            "OffsetRange", "VersionMetrics", "VersionRecord", "EvalScore", "EvalSetResult", "GateDecision"]

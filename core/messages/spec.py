@@ -115,6 +115,15 @@ class ReplayConfig(Message):
     ratio: float = Field(default=1.0, gt=0.0, le=16.0)
 
 
+class EwcConfig(Message):
+    """Online elastic weight consolidation: each step pulls the adapter towards its previous
+    version, weighted by a running Fisher estimate (operators/lora_trainer.py). Measured weak
+    against a conflicting task on the tiny model: see bench/forgetting.py."""
+
+    strength: float = Field(gt=0.0, le=1e9, allow_inf_nan=False)  # lambda of the penalty
+    fisher_decay: float = Field(default=0.9, ge=0.0, le=1.0)       # weight of the older Fisher estimate
+
+
 class FinetuneSpec(Message):
     model_id: str = Field(pattern=MODEL_ID)
     stream_source: str
@@ -125,6 +134,7 @@ class FinetuneSpec(Message):
     seed: int = 0
     evaluation: Optional[EvaluationConfig] = None
     replay: Optional[ReplayConfig] = None
+    ewc: Optional[EwcConfig] = None
 
     @field_validator("stream_source")
     @classmethod
@@ -148,7 +158,7 @@ class FinetuneSpec(Message):
 
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
-        for optional in ("evaluation", "replay"):  # absent sections leave the hash of older specs as it was
+        for optional in ("evaluation", "replay", "ewc"):  # absent sections leave the hash of older specs as it was
             if fields[optional] is None:
                 del fields[optional]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
