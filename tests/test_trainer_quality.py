@@ -234,3 +234,25 @@ def test_ewc_pulls_the_next_steps_towards_the_previous_version(base):
         after_b = load(trainer.step(model_id, adapter, training, state, b, seed=2, ewc=ewc).state["lora"])
         moved[strength] = sum(float((after_b[k] - after_a[k]).norm()) for k in after_a)
     assert moved[1e6] < 0.5 * moved[None], moved
+
+
+# ------------------------------------------------------------------------- fixed eval set
+
+def test_a_fixed_eval_set_scores_both_versions_and_an_unreadable_one_refuses(base, tmp_path):
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in task_a(40, seed=77)))
+    fn = trainer_function(base, tmp_path / "store")
+    spec = quality_spec("fixed", evaluation={"eval_uri": f"file://{eval_file}", "fixed_size": 30, "metric": "loss",
+                                             "tolerance": 10.0})
+    first, second = fire_windows(fn, spec, pendings(task_a(2 * WINDOW, seed=3), "a", 0))
+    assert first.gate.rule == "first_version" and second.gate.rule == "eval" and second.gate.promote
+    fixed = second.gate.sets[0]
+    assert (fixed.name, fixed.size, fixed.tolerance) == ("fixed", 30, 10.0)
+    assert fixed.champion.loss > fixed.candidate.loss, "the second window improved on the first"
+    assert second.lineage.held_out is None and second.metrics.samples == WINDOW  # nothing held out of the stream
+
+    eval_file.unlink()
+    third = fire_windows(fn, spec.model_copy(update={"evaluation": spec.evaluation.model_copy(update={
+        "eval_uri": f"file://{tmp_path}/missing.jsonl"})}), pendings(task_a(WINDOW, seed=4), "c", 1000))[0]
+    assert not third.gate.promote and third.gate.reason.startswith("not evaluated: fixed eval set")
+    assert fn.quality.value().champion["version_id"] == second.version_id
