@@ -66,10 +66,28 @@ def listening(url: str, proc: subprocess.Popen, log: Path, path: str) -> bool:
 
 
 @pytest.fixture
-def api(stack_config, base_model, tmp_path):
+def page_origin(tmp_path):
+    """A web page server on another origin (the API allows it): where a product's pages live."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", port), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{port}", site
+    server.shutdown()
+
+
+@pytest.fixture
+def api(stack_config, base_model, tmp_path, page_origin):
     port = free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "api.log"
-    proc = spawn(["api", "--port", str(port)], log)
+    proc = spawn_logged([sys.executable, "-m", "streamtune.cli", "api", "--port", str(port)], log,
+                        extra_env={"STREAMTUNE_API_TOKEN": TOKEN, "STREAMTUNE_API_CORS_ORIGINS": page_origin[0]})
     wait_for(lambda: listening(url, proc, log, "/openapi.json"), 60, "the API to listen", interval=0.3)
     applied: list[str] = []
     yield url, applied
@@ -114,20 +132,24 @@ def served_version(url: str, model_id: str) -> str | None:
     return r.json()["system_fingerprint"] if r.status_code == 200 else None
 
 
-def console_pause_and_resume(api: str, name: str, versions: list[dict], screenshot: Path) -> str:
-    """Open /console in headless chromium, type the token, select the pipeline; check what it
-    shows against the API's answers; pause and resume with its buttons. The resumed job's id."""
+def headless_chromium():
     from selenium import webdriver
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1300,900"):
         options.add_argument(arg)
     options.binary_location = "/usr/bin/chromium"
-    from selenium.common.exceptions import StaleElementReferenceException
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
 
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+
+def console_pause_and_resume(api: str, name: str, versions: list[dict], screenshot: Path) -> str:
+    """Open /console in headless chromium, type the token, select the pipeline; check what it
+    shows against the API's answers; pause and resume with its buttons. The resumed job's id."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = headless_chromium()
     row = f'#pipelines tr[data-name="{name}"]'
 
     def cells(selector: str) -> list[list[str]]:  # read at once: the console redraws every 5 s
@@ -273,3 +295,42 @@ def test_post_a_mongo_pipeline_documents_become_versions(stack_config, api, uniq
     assert r.status_code == 200 and r.json()["job_stopped"] and r.json()["capture_stopped"], r.text
     assert capture_processes(connector) == []
     mongo.close()
+
+
+def test_feedback_hook_on_another_origin_posts_batched_events_for_a_response(stack_config, api, page_origin, unique):
+    """The copy-paste snippet on a page of another origin: three events for one served
+    response reach the pipeline's feedback topic as samples citing the response id."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from connectors.kafka import read_topic
+    from core.messages import FeedbackSample
+
+    api, applied = api
+    origin, site = page_origin
+    name, topic = f"lc-fb-{unique}", f"test.lc-fb-{unique}"
+    pipeline = {"model_id": name, "stream_source": f"kafka://topic={topic}",
+                "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]},
+                "trigger_policy": {"min_samples_per_window": 8, "window_seconds": 2}}
+    applied.append(name)
+    r = requests.post(f"{api}/v1/pipelines", json=pipeline, headers=AUTH, timeout=300)
+    assert r.status_code == 201 and r.json()["action"] == "created", r.text
+    (site / "index.html").write_text(
+        f'<!doctype html><title>a product page</title>'
+        f'<script src="{api}/feedback.js" data-api="{api}" data-token="{TOKEN}"></script>')
+    served = {"id": f"cmpl-{unique}", "model": f"{name}@champion", "choices": [{"text": "42"}]}
+    browser = headless_chromium()
+    try:
+        browser.get(f"{origin}/index.html")
+        WebDriverWait(browser, 30).until(lambda b: b.execute_script("return !!window.streamtune"))
+        browser.execute_script("const r = arguments[0];"
+                               "streamtune.click(r, 'x=41;y='); streamtune.dwell(r, 'x=41;y=', 12.5);"
+                               "streamtune.correction(r, 'x=41;y=', '43'); streamtune.flush();", served)
+        WebDriverWait(browser, 30).until(lambda b: b.execute_script("return streamtune.pending()") == 0)
+    finally:
+        browser.quit()
+    samples = [FeedbackSample.from_json(rec.value) for rec in read_topic(stack_config.kafka_bootstrap, topic,
+                                                                          expect=3, timeout=30)]
+    assert sorted((s.label, s.completion, s.request_id, s.model_id) for s in samples) == [
+        ("accepted", "42", served["id"], name), ("accepted", "42", served["id"], name),
+        ("corrected", "43", served["id"], name)]
+    assert len({s.sample_id for s in samples}) == 3
