@@ -1,14 +1,17 @@
 """Streaming inference on Flink: requests → key_by(model) ⋈ adapter versions (broadcast) → responses.
 
     flink run -py jobs/stream_inference.py --requests-topic R --responses-topic S \\
-        [--broadcast-topic streamtune.adapter-versions] [--base-model DIR] [--artifact-store URI]
+        [--broadcast-topic streamtune.adapter-versions] [--alias-moves-topic streamtune.alias-moves] \\
+        [--base-model DIR] [--artifact-store URI]
 
 A request is JSON: {"request_id": "...", "model": "<model_id>[@alias|/version]|base",
 "prompt": "...", "max_tokens": 16}. Each response names the version that answered and an
 `audit_trace` (routing, adapter version and sha256, base model), or carries `error`
 (operators/inference_function.py). The adapter versions come from the registration
-broadcast, so the job needs no MLflow; the artifacts are read from the shared store and
-checked against their sha256. Responses go out at least once (a restore may answer a
+broadcast and later alias moves (promotions, rollbacks) from the alias-moves topic that the
+control plane and the rollback guard publish to, so the job needs no MLflow; an alias moved
+in MLflow by another tool is seen at the model's next registration. The artifacts are read
+from the shared store and checked against their sha256. Responses go out at least once (a restore may answer a
 request again, with the same request_id).
 """
 
@@ -25,15 +28,18 @@ from jobs.wiring import JobConfig, environment, kafka_rows, table_environment
 from operators.inference_function import ROUTES, InferenceFunction, model_of
 
 ROW = Types.TUPLE([Types.STRING(), Types.STRING()])  # (model_id, payload)
+ROUTE_UPDATE = Types.TUPLE([Types.STRING(), Types.LONG()])  # (payload, Kafka record time ms)
 
 
-def build(env, job: JobConfig, requests_topic: str, responses_topic: str, slots: int) -> None:
+def build(env, job: JobConfig, requests_topic: str, responses_topic: str, slots: int, alias_moves_topic: str) -> None:
     t_env = table_environment(env)
     requests = kafka_rows(t_env, job, "requests_input", [requests_topic], reader="requests")
-    versions = kafka_rows(t_env, job, "adapter_versions_input", [job.broadcast_topic], reader="broadcasts")
+    updates = kafka_rows(t_env, job, "route_updates_input", [job.broadcast_topic, alias_moves_topic],
+                         reader="broadcasts")
     keyed = (requests.map(lambda r: (model_of(r[1]), r[1]), output_type=ROW).name("parse-requests")
              .key_by(lambda r: r[0], key_type=Types.STRING()))
-    broadcast = versions.map(lambda r: ("", r[1]), output_type=ROW).name("read-versions").broadcast(ROUTES)
+    broadcast = (updates.map(lambda r: (r["payload"], r["ts"].to_epoch_milli()), output_type=ROUTE_UPDATE)
+                 .name("read-route-updates").broadcast(ROUTES))
     responses = (keyed.connect(broadcast)
                  .process(InferenceFunction(job.base_model, job.artifact_store, slots), output_type=Types.STRING())
                  .name("generate").uid("generate"))
@@ -46,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests-topic", required=True)
     p.add_argument("--responses-topic", required=True)
     p.add_argument("--broadcast-topic", default=defaults.ADAPTER_VERSIONS_TOPIC)
+    p.add_argument("--alias-moves-topic", default=defaults.ALIAS_MOVES_TOPIC)
     p.add_argument("--bootstrap", default=defaults.kafka_bootstrap())
     p.add_argument("--base-model", default=str(defaults.base_model_dir()))
     p.add_argument("--artifact-store", default=defaults.artifact_store())
@@ -60,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
                     base_model=args.base_model, artifact_store=args.artifact_store,
                     checkpoint_interval_ms=args.checkpoint_interval_ms, checkpoint_dir=args.checkpoint_dir,
                     restore_from=args.restore_from, parallelism=args.parallelism)
-    for topic in (args.requests_topic, args.responses_topic, args.broadcast_topic):
+    for topic in (args.requests_topic, args.responses_topic, args.broadcast_topic, args.alias_moves_topic):
         create_topic(job.bootstrap, topic)
     env = environment(job)
-    build(env, job, args.requests_topic, args.responses_topic, args.slots)
+    build(env, job, args.requests_topic, args.responses_topic, args.slots, args.alias_moves_topic)
     env.execute(job.job_name)
 
 

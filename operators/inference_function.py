@@ -1,8 +1,11 @@
 """Batch/stream scoring inside Flink: requests keyed by model, adapter versions as broadcast state.
 
-The broadcast side reads the adapter-versions topic (core.messages.AdapterVersionBroadcast):
-each record says a version exists and where its aliases pointed when it was registered, so
-the broadcast state holds, per model, the versions known and the latest `champion`. A request
+The broadcast side reads the adapter-versions topic (core.messages.AdapterVersionBroadcast:
+a version exists, and where its aliases pointed when it was registered) and the alias-moves
+topic (core.messages.AliasMove: a promotion, a rollback, a deleted alias). The broadcast state
+holds, per model, the versions known and each alias with the time of the record that set
+it; the newest record wins, so the two topics may be read in any interleaving (a restore
+reads them again) and end in the same routes. A request
 (core.messages request JSON: request_id, model, prompt, max_tokens) is answered by the
 version its `model` names (`<model_id>`, `<model_id>@<alias>`, `<model_id>/<version>`, or
 `base`) with the same adapter pool as `streamtune serve`, in this worker's memory.
@@ -22,7 +25,7 @@ from pyflink.datastream.functions import KeyedBroadcastProcessFunction
 from pyflink.datastream.state import MapStateDescriptor
 
 from core.errors import StreamtuneError
-from core.messages import AdapterVersionBroadcast
+from core.messages import AdapterVersionBroadcast, AliasMove
 from core.routing import BASE, ModelName, parse_model_name
 
 ROUTES = MapStateDescriptor("adapter_routes", Types.STRING(), Types.STRING())  # model_id -> json
@@ -51,19 +54,27 @@ class InferenceFunction(KeyedBroadcastProcessFunction):
         self.failed = metrics.counter("requests_failed")
 
     def process_broadcast_element(self, value, ctx):
-        try:
-            b = AdapterVersionBroadcast.from_json(value[1])
-        except Exception:
-            return  # not a broadcast: the registrar's DLQ has the bad ones
+        payload, ts = value[0], value[1]
+        update = _route_update(payload)
+        if update is None:
+            return  # neither message: the registrar's DLQ has the bad broadcasts
         state = ctx.get_broadcast_state(ROUTES)
-        raw = state.get(b.model_id)
-        routes = json.loads(raw) if raw else {"versions": {}, "aliases": {}}
-        routes["versions"][str(b.mlflow_version)] = {"artifact_uri": b.artifact_uri, "sha256": b.sha256,
-                                                     "version_id": b.version_id}
-        for alias in b.aliases:  # the newest registration that names an alias wins
-            if b.mlflow_version >= routes["aliases"].get(alias, 0):
-                routes["aliases"][alias] = b.mlflow_version
-        state.put(b.model_id, json.dumps(routes))
+        raw = state.get(update.model_id)
+        routes = json.loads(raw) if raw else {"versions": {}, "aliases": {}, "alias_ts": {}}
+        if isinstance(update, AdapterVersionBroadcast):
+            routes["versions"][str(update.mlflow_version)] = {
+                "artifact_uri": update.artifact_uri, "sha256": update.sha256, "version_id": update.version_id}
+            moves = [(alias, update.mlflow_version) for alias in update.aliases]
+        else:
+            moves = [(update.alias, update.version)]
+        for alias, version in moves:
+            if ts >= routes["alias_ts"].get(alias, -1):  # the newest record that sets an alias wins
+                routes["alias_ts"][alias] = ts
+                if version is None:
+                    routes["aliases"].pop(alias, None)
+                else:
+                    routes["aliases"][alias] = version
+        state.put(update.model_id, json.dumps(routes))
 
     def process_element(self, value, ctx):
         model_id, payload = value[0], value[1]
@@ -72,7 +83,7 @@ class InferenceFunction(KeyedBroadcastProcessFunction):
             request = json.loads(payload)
             name = parse_model_name(request["model"])
             raw = ctx.get_broadcast_state(ROUTES).get(name.model_id)
-            routes = json.loads(raw) if raw else {"versions": {}, "aliases": {}}
+            routes = json.loads(raw) if raw else {"versions": {}, "aliases": {}, "alias_ts": {}}
             version, alias = self._route(name, routes)
             key, entry = BASE, None
             if version is not None:
@@ -113,6 +124,16 @@ class InferenceFunction(KeyedBroadcastProcessFunction):
 
 class ModelNotKnown(StreamtuneError):
     pass
+
+
+def _route_update(payload: str):
+    """The broadcast or alias move a route-update record holds; None for anything else."""
+    for message in (AdapterVersionBroadcast, AliasMove):
+        try:
+            return message.from_json(payload)
+        except Exception:
+            continue
+    return None
 
 
 def _request_id(payload: str):

@@ -347,8 +347,11 @@ def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model
             {"request_id": "r-base", "model": "base", "prompt": PROMPTS[2], "max_tokens": 6},
             {"request_id": "r-unknown", "model": "no-such-model", "prompt": "x", "max_tokens": 6},
             {"request_id": "r-bad-name", "model": "../x", "prompt": "x"}]
+    moves_topic = f"{topics['feedback']}.alias-moves"
+    moved_to = sorted(by_version)[-2] if champion == max(by_version) else max(by_version)  # not the champion
     job = LocalJob(["--requests-topic", requests_topic, "--responses-topic", responses_topic,
-                    "--broadcast-topic", topics["adapter-versions"], "--base-model", str(base_model),
+                    "--broadcast-topic", topics["adapter-versions"], "--alias-moves-topic", moves_topic,
+                    "--base-model", str(base_model),
                     "--artifact-store", str(trained["store"]), "--bootstrap", boot, "--checkpoint-interval-ms", "1000",
                     "--job-name", f"infer-{model_id}"],
                    trained["tmp"] / "infer-checkpoints", trained["tmp"] / "infer.log", module="jobs.stream_inference")
@@ -376,9 +379,22 @@ def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model
                        for r in read_topic(boot, responses_topic, timeout=5, idle=1.0, read_committed=False)}
             if wanted <= set(answers) or time.monotonic() > deadline:
                 break
+        # A rollback announced on the alias-moves topic (as the API and the guard announce
+        # theirs) routes the model's next requests to the version it names.
+        from core.messages import AliasMove
+        move = AliasMove(model_id=model_id, alias="champion", version=moved_to, from_version=champion, actor="test",
+                         ts=int(time.time() * 1000))
+        producer.send(moves_topic, key=model_id.encode(), value=move.to_json().encode()).get(10)
+
+        def moved():
+            producer.send(requests_topic, json.dumps(asks[0] | {"request_id": "r-moved"}).encode()).get(10)
+            return [a for r in read_topic(boot, responses_topic, timeout=5, idle=1.0, read_committed=False)
+                    if (a := json.loads(r.value)).get("request_id") == "r-moved" and a.get("version") == moved_to]
+        moved_answer = wait_for(moved, 60, f"requests routed to version {moved_to} after the move")[0]
     finally:
         job.kill()
         producer.close()
+    assert moved_answer["alias"] == "champion" and "error" not in moved_answer
     assert wanted <= set(answers), sorted(map(str, answers))
     reference = Reference(base_model, trained["store"])
     for rid, version, prompt in (("r-champion", champion, PROMPTS[0]), ("r-pinned", pinned, PROMPTS[1])):
