@@ -311,7 +311,11 @@ class FinetuneFunction(KeyedProcessFunction):
                                     candidate_correct=score["correct"]))
         champion = quality.champion
         if champion is not None and scores and not problems:
-            lora = self._champion_weights(champion)
+            try:
+                lora = self._champion_weights(champion)
+            except Exception as e:  # noqa: BLE001 - a lost artifact refuses, visibly, rather than crash-loop the job
+                problems.append(f"champion {champion['version_id']} unreadable from the store ({type(e).__name__}: {e})")
+                return decide(evaluation, scores, champion, loss_after, problems)
             adapter = AdapterConfig.from_json(champion["adapter"])
             for s in scores:
                 score = trainer.evaluate(model_id, adapter, spec.training, sets[s.name], lora)

@@ -14,7 +14,8 @@ The seed's example is the smallest valid spec:
 Learning quality is opt-in: without `evaluation` the registrar's loss rule promotes (a
 version becomes `champion` when its loss_after is no worse than the champion's); with it,
 the trainer scores each version and the champion on held-out data and decides
-(operators/quality.py). `replay` mixes older samples into each step:
+(operators/quality.py). `replay` mixes older samples into each step; `ewc` (online EWC)
+pulls each step towards the previous version (weak: bench/forgetting.py):
 
 >>> q = spec.model_copy(update={"evaluation": EvaluationConfig(holdout_fraction=0.2, forgetting_tolerance=0.05),
 ...                             "replay": ReplayConfig(buffer_size=256, ratio=1.0)})
