@@ -186,10 +186,10 @@ def test_malformed_spec_gets_422_per_field_and_changes_nothing(stack_config, uni
             ("body", "trigger_policy", "surprise")} <= locs
     r = client.post("/v1/stream-finetune", content=b'{"model_id": "x", "broken', headers=AUTH)
     assert r.status_code == 422
-    # A CDC source is valid but cannot be captured yet.
+    # A CDC source is valid, but rows need a mapping to samples: it is applied as a pipeline.
     r = client.post("/v1/stream-finetune", headers=AUTH,
                     json=dict(SEED, model_id=f"pg-{unique}", stream_source="postgres://h/db?table=feedback"))
-    assert r.status_code == 501 and "not implemented" in r.json()["detail"]
+    assert r.status_code == 501 and "POST /v1/pipelines" in r.json()["detail"]
     assert not settings.jobs_file.exists()
     assert jobs_named(stack_config, f"streamtune-{topic}") == []
     assert topic_records(stack_config, f"{topic}.configs") == []
