@@ -82,7 +82,8 @@ class FinetuneFunction(KeyedProcessFunction):
         self.champion_files: dict[str, bytes] = {}  # sha256 -> adapter weights, read once from the store
         self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
             "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
-            "samples_superseded", "samples_retracted", "samples_held_out", "kept_samples_retracted", "versions_promoted", "versions_refused"))
+            "samples_superseded", "samples_retracted", "samples_held_out", "kept_samples_dropped", "versions_promoted",
+            "versions_refused"))
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
@@ -106,8 +107,9 @@ class FinetuneFunction(KeyedProcessFunction):
         sample = FeedbackSample.from_json(body)
         pending = self.pending.value() or []
         row_key = sample.origin.row_key if sample.origin else ""
-        if row_key:  # a newer change of the same row supersedes its untrained sample
+        if row_key:  # a newer change of the same row supersedes its untrained sample and its kept copies
             pending = self._without_row(pending, row_key, "samples_superseded")
+            self._forget_row(row_key)
         pending = pending + [Pending(
             sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
             body, row_key)]
@@ -166,13 +168,17 @@ class FinetuneFunction(KeyedProcessFunction):
         the eval sets and the replay buffer; name it in the next version's lineage."""
         self.pending.update(self._without_row(self.pending.value() or [], retraction.row_key,
                                               "samples_retracted"))
+        self._forget_row(retraction.row_key)
+        self.retracted.update((self.retracted.value() or []) + [retraction.origin.to_dict()])
+
+    def _forget_row(self, row_key: str) -> None:
+        """The row's samples leave the eval sets and the replay buffer (retracted or changed)."""
         quality = self.quality.value()
         if quality is not None:
-            quality, dropped = quality.without_row(retraction.row_key)
+            quality, dropped = quality.without_row(row_key)
             if dropped:
                 self.quality.update(quality)
-                self.counters.inc("kept_samples_retracted", dropped)
-        self.retracted.update((self.retracted.value() or []) + [retraction.origin.to_dict()])
+                self.counters.inc("kept_samples_dropped", dropped)
 
     def _without_row(self, pending: list[Pending], row_key: str, counter: str) -> list[Pending]:
         kept = [p for p in pending if p.row_key != row_key]

@@ -42,6 +42,9 @@ class Counters:
     def __init__(self):
         self.counts: Counter[str] = Counter()
 
+    def enter_element(self) -> None:
+        pass
+
     def inc(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
 
@@ -209,7 +212,33 @@ def test_retracted_rows_leave_eval_sets_and_replay_buffer(base, tmp_path):
     kept_rows = {s.row_key for s in after.recent + after.retained + after.replay}
     assert in_eval not in kept_rows and in_replay not in kept_rows
     assert len(after.retained) == len(before.retained) - 1 and len(after.replay) == len(before.replay) - 1
-    assert fn.counters.counts["kept_samples_retracted"] == 2
+    assert fn.counters.counts["kept_samples_dropped"] == 2
+    # A newer change of a kept row replaces its older text there too (it waits in pending, to be
+    # trained or held out with its window).
+    changed = after.replay[0]
+    fn.config.update({"spec": spec.to_json(), "version": 1, "hash": spec.spec_hash()})
+    newer = pendings([("x=0000;y=", "1111")], "new", 5000, row_keys=True)[0]
+    newer_payload = FeedbackSample.from_json(newer.payload).model_copy(update={
+        "origin": ChangeOrigin(row_key=changed.row_key, op="u", table="t")})
+    list(fn.process_element(("sample", "cdc", newer_payload.to_json(), "feedback", 0, 5000, 10 ** 6), KeyContext("cdc")))
+    assert changed.row_key not in {s.row_key for s in fn.quality.value().replay}
+    assert [p.row_key for p in fn.pending.value()] == [changed.row_key]
+
+
+class KeyContext:
+    """What process_element asks of Flink's context, reduced to a key and timers nobody fires."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def get_current_key(self) -> str:
+        return self.key
+
+    def timer_service(self):
+        return self
+
+    def register_event_time_timer(self, ts: int) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------- EWC
