@@ -265,6 +265,7 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
                                                                     streamtune(api, "get", "pipelines")}
 
 
+@pytest.mark.slow  # CI time: the PostgreSQL pipeline covers the same control-plane path
 def test_post_a_mongo_pipeline_documents_become_versions(stack_config, api, unique):
     api, applied = api
     db, name = f"lc_{unique.replace('-', '_')}", f"lc-mongo-{unique}"
