@@ -22,6 +22,7 @@ import yaml
 
 from streamtune.local_job import kill_group, spawn_logged
 from streamtune.pipeline import connector_name
+from streamtune.stack.process import alive
 from streamtune.testing import free_port, psql, wait_for, wait_past_window
 
 pytestmark = pytest.mark.lowcode
@@ -37,14 +38,6 @@ def streamtune(url: str, *args: str) -> dict:
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (args, result.returncode, result.stderr[-3000:])
     return json.loads(result.stdout)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def capture_processes(connector: str) -> list[str]:

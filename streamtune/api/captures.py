@@ -13,8 +13,6 @@ new one starts (two captures would fight over one replication slot).
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -22,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from streamtune.stack.process import terminate
+
 log = logging.getLogger("streamtune.api.captures")
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+STOP_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -108,12 +109,7 @@ class CaptureSupervisor:
         if name.encode() not in cmdline:
             return False  # the pid belongs to some other process by now
         log.warning("stopping capture %s (pid %d) left running by an earlier API process", name, pid)
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if Path(f"/proc/{pid}").exists():
-            os.killpg(pid, signal.SIGKILL)
+        terminate(pid, timeout=STOP_TIMEOUT_S)
         self._pid_file(name).unlink(missing_ok=True)
         return True
 
@@ -141,12 +137,8 @@ def _alive(proc: Optional[subprocess.Popen]) -> bool:
     return proc is not None and proc.poll() is None
 
 
-def _terminate(proc: Optional[subprocess.Popen], timeout: float = 15.0) -> None:
-    if not _alive(proc):
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+def _terminate(proc: Optional[subprocess.Popen]) -> None:
+    """SIGTERM (a clean stop: flush, confirm), SIGKILL after STOP_TIMEOUT_S; then reap it."""
+    if _alive(proc):
+        terminate(proc.pid, timeout=STOP_TIMEOUT_S)
         proc.wait()

@@ -117,35 +117,30 @@ class StackGateway:
     def submit_job(self, topic: str) -> str:
         """Create the job's topics and submit a job that trains from `topic`; answers its id."""
         topics = job_topics(topic)
-        try:
-            for t in topics.values():
-                create_topic(self.stack.kafka_bootstrap, t)
-        except Exception as e:
-            raise StackUnavailable(f"Kafka not reachable at {self.stack.kafka_bootstrap}: {type(e).__name__}: {e}")
-        args = ["--bootstrap", self.stack.kafka_bootstrap, "--feedback-topic", topics["feedback"],
-                "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
-                "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
-                "--job-name", job_name(topic), *self.job_args]
-        try:
-            return submit_detached(self.stack, self.job_script, args)
-        except FLINK_CLI_ERRORS as e:
-            raise StackUnavailable(f"submitting the job to Flink failed: {str(e).strip().splitlines()[0][:300]}")
+        return self._submit(self.job_script, job_name(topic), topics, ["--feedback-topic", topics["feedback"]])
 
     def submit_cdc_job(self, key: str, topics: dict[str, str], mapping_file: Path,
                        restore_from: Optional[str] = None) -> str:
         """Create the topics and submit jobs/cdc_retrain.py reading `topics["cdc"]` with the
         mapping file (a pipeline's job, named streamtune-<key>); answers its id."""
+        return self._submit(CDC_JOB_SCRIPT, job_name(key), topics,
+                            ["--cdc-topic", topics["cdc"], "--mapping", str(mapping_file),
+                             *(["--restore-from", restore_from] if restore_from else [])])
+
+    def _submit(self, script: Path, name: str, topics: dict[str, str], source_args: list[str]) -> str:
+        """Create `topics`, then `flink run -d -py script` with the topics every training job
+        writes, `source_args` and the gateway's job_args; answers the job's id."""
         try:
             for t in topics.values():
                 create_topic(self.stack.kafka_bootstrap, t)
         except Exception as e:
             raise StackUnavailable(f"Kafka not reachable at {self.stack.kafka_bootstrap}: {type(e).__name__}: {e}")
-        args = ["--bootstrap", self.stack.kafka_bootstrap, "--cdc-topic", topics["cdc"], "--mapping", str(mapping_file),
+        args = ["--bootstrap", self.stack.kafka_bootstrap, *source_args,
                 "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
                 "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
-                "--job-name", job_name(key), *self.job_args, *(["--restore-from", restore_from] if restore_from else [])]
+                "--job-name", name, *self.job_args]
         try:
-            return submit_detached(self.stack, CDC_JOB_SCRIPT, args)
+            return submit_detached(self.stack, script, args)
         except FLINK_CLI_ERRORS as e:
             raise StackUnavailable(f"submitting the job to Flink failed: {str(e).strip().splitlines()[0][:300]}")
 

@@ -47,7 +47,7 @@ from streamtune.pipeline import Pipeline, connector_name
 
 from .gateway import LIVE_STATES, StackUnavailable, job_topics
 from .routes import (AUTH_ERR, BAD_BODY, NOT_FOUND, STACK_ERR, TOO_LARGE, ControlPlane, ModelIdPath, Plane, Reader,
-                     Writer, _now_ms, apply_spec, stop_model)
+                     Writer, _job_id, _now_ms, apply_spec, stop_model)
 
 router = APIRouter()
 
@@ -80,8 +80,13 @@ class DeleteResponse(BaseModel):
     capture_stopped: bool = False
 
 
+def pipeline_key(name: str) -> str:
+    """What a CDC pipeline's topics and job (streamtune-<key>) are named after."""
+    return f"pipeline.{name}"
+
+
 def pipeline_topics(name: str) -> dict[str, str]:
-    key = f"pipeline.{name}"
+    key = pipeline_key(name)
     return {"cdc": f"{key}.cdc", "configs": f"{key}.configs", "versions": f"{key}.versions", "dlq": f"{key}.dlq",
             "adapter-versions": f"{key}.adapter-versions"}
 
@@ -140,12 +145,14 @@ def apply(pipeline: Pipeline, actor: Writer, plane: Plane, dry_run: bool = False
 
 @router.get("/v1/pipelines", response_model=list[PipelineState], responses={**AUTH_ERR})
 def list_pipelines(actor: Reader, plane: Plane):
-    return [_state(plane, name, entry) for name, entry in sorted(plane.jobs.load()["pipelines"].items())]
+    data = plane.jobs.load()
+    return [_state(plane, data, name, entry) for name, entry in sorted(data["pipelines"].items())]
 
 
 @router.get("/v1/pipelines/{name}", response_model=PipelineState, responses={**AUTH_ERR, **NOT_FOUND})
 def get_pipeline(name: ModelIdPath, actor: Reader, plane: Plane):
-    return _state(plane, name, _entry(plane.jobs.load(), name))
+    data = plane.jobs.load()
+    return _state(plane, data, name, _entry(data, name))
 
 
 @router.delete("/v1/pipelines/{name}", response_model=DeleteResponse, responses={**AUTH_ERR, **NOT_FOUND, **STACK_ERR})
@@ -204,9 +211,7 @@ def pause(name: ModelIdPath, actor: Writer, plane: Plane):
         job_id = entry.get("job_id")
         if not job_id or _job_state(plane, job_id) not in LIVE_STATES:
             raise HTTPException(409, f"the job of pipeline {name} is not running ({job_id}); apply it again")
-        savepoint = plane.gateway.stop_with_savepoint(job_id)
-        if savepoint is None:
-            raise StackUnavailable(f"job {job_id} stopped without reporting a savepoint")
+        savepoint = _stop_with_savepoint(plane, job_id)
         entry["paused"] = savepoint
         plane.jobs.save(data)
         return PauseResponse(name=name, paused=True, job_id=job_id, savepoint=savepoint)
@@ -221,7 +226,7 @@ def resume(name: ModelIdPath, actor: Writer, plane: Plane):
         savepoint = entry.get("paused")
         if not savepoint:
             return PauseResponse(name=name, paused=False, job_id=entry.get("job_id"))
-        job_id = plane.gateway.submit_cdc_job(f"pipeline.{name}", entry["topics"], _mapping_file(plane, name),
+        job_id = plane.gateway.submit_cdc_job(pipeline_key(name), entry["topics"], _mapping_file(plane, name),
                                               savepoint)
         entry.update(job_id=job_id, paused=None)
         plane.jobs.save(data)
@@ -261,9 +266,7 @@ def _apply_cdc(plane: ControlPlane, pipeline: Pipeline, entry: Optional[dict], r
     job_id = entry.get("job_id") if entry else None
     restore_from = None
     if restart and job_id and not entry.get("paused") and _job_state(plane, job_id) in LIVE_STATES:
-        restore_from = plane.gateway.stop_with_savepoint(job_id)
-        if restore_from is None:
-            raise StackUnavailable(f"job {job_id} stopped without reporting a savepoint; apply again to resubmit")
+        restore_from = _stop_with_savepoint(plane, job_id)
     if restart or not entry:
         mapping_file.parent.mkdir(parents=True, exist_ok=True)
         mapping_file.write_text(pipeline.mapping().model_dump_json(indent=1, exclude_none=True))
@@ -271,7 +274,7 @@ def _apply_cdc(plane: ControlPlane, pipeline: Pipeline, entry: Optional[dict], r
     if entry and entry.get("paused"):
         pass  # resume submits the job from its savepoint, with this mapping
     elif restart or not entry or job_id is None or _job_state(plane, job_id) not in LIVE_STATES:
-        job_id = plane.gateway.submit_cdc_job(f"pipeline.{pipeline.name}", topics, mapping_file, restore_from)
+        job_id = plane.gateway.submit_cdc_job(pipeline_key(pipeline.name), topics, mapping_file, restore_from)
     spec = pipeline.finetune_spec()
     now = _now_ms()
     # Event time of the spec: before any change, so no change waits for a config from "later".
@@ -318,11 +321,18 @@ def _drop_slot(plane: ControlPlane, pipeline: Pipeline, connector: str) -> None:
             raise StackUnavailable(f"dropping replication slot {connector} failed: {str(e).strip()[:300]}")
 
 
-def _state(plane: ControlPlane, name: str, entry: dict) -> PipelineState:
+def _stop_with_savepoint(plane: ControlPlane, job_id: str) -> str:
+    """`flink stop` with a savepoint; its path, which resuming the job needs."""
+    savepoint = plane.gateway.stop_with_savepoint(job_id)
+    if savepoint is None:
+        raise StackUnavailable(f"job {job_id} stopped without reporting a savepoint; apply again to resubmit")
+    return savepoint
+
+
+def _state(plane: ControlPlane, data: dict, name: str, entry: dict) -> PipelineState:
     job_id = entry.get("job_id")
-    if entry["kind"] == "kafka":
-        model = plane.jobs.load()["models"].get(name)
-        job_id = plane.jobs.load()["jobs"].get(model["topic"], {}).get("job_id", job_id) if model else job_id
+    if entry["kind"] == "kafka" and name in data["models"]:  # the topic's job, shared with other models
+        job_id = _job_id(data, data["models"][name])
     return PipelineState(name=name, kind=entry["kind"], hash=entry["hash"], pipeline=entry["pipeline"],
                          job_id=job_id, job_state=_job_state(plane, job_id) if job_id else None,
                          capture=plane.captures.status(connector_name(name)) if entry["kind"] == "cdc" else None,
