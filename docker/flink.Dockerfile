@@ -57,6 +57,13 @@ RUN set -eux; \
     /opt/streamtune/venv/bin/python -c "from streamtune.stack.flink import prune_duplicate_jars; print(prune_duplicate_jars())"; \
     ls -l "$FLINK_HOME/lib"
 
+# Flink on Kubernetes (the Flink Kubernetes Operator, native mode) expects the official flink
+# image's layout: /opt/flink (FLINK_HOME; here a link to the pyflink tree, so
+# local:///opt/flink/opt/flink-python-2.0.2.jar and /opt/flink/conf exist) and
+# /docker-entrypoint.sh (docker/docker-entrypoint.sh: Flink's kubernetes-*.sh commands with the
+# mounted /opt/flink/conf, anything else through flink-entrypoint.sh). ENTRYPOINT stays
+# flink-entrypoint.sh for docker-compose; Flink's pods name /docker-entrypoint.sh themselves.
+#
 # The image's Flink configuration: Flink's defaults (env.java.opts.all), then the project's
 # flink-conf/config.yaml (checkpointing, state backend, restart strategy, Python worker mode,
 # Prometheus reporter), then container paths and bind addresses. taskmanager.host (localhost
@@ -88,8 +95,13 @@ open('/opt/flink-conf/config.image.yaml', 'w').write(yaml.safe_dump(conf, sort_k
     FLINK_LOG_DIR=/tmp/flink-build-log flink --version; \
     rm -rf /tmp/flink-build-log; \
     install -m 0755 /opt/streamtune/docker/flink-entrypoint.sh /usr/local/bin/flink-entrypoint.sh; \
+    install -m 0755 /opt/streamtune/docker/docker-entrypoint.sh /docker-entrypoint.sh; \
+    ln -s "$FLINK_HOME" /opt/flink; \
+    test -f /opt/flink/opt/flink-python-2.0.2.jar; \
+    test -x /opt/flink/bin/kubernetes-jobmanager.sh; \
+    test -x /opt/flink/plugins/external-resource-gpu/nvidia-gpu-discovery.sh; \
     mkdir -p /flink-data/checkpoints /flink-data/savepoints "$FLINK_LOG_DIR"; \
-    chown flink:flink /opt/flink-conf /opt/flink-conf/config.yaml "$FLINK_LOG_DIR"; \
+    chown flink:flink /opt/flink-conf /opt/flink-conf/config.yaml "$FLINK_LOG_DIR" "$FLINK_HOME/log"; \
     chown -R flink:flink /flink-data
 
 USER flink
