@@ -32,6 +32,7 @@ DLQ_TOPIC = "streamtune.dlq"
 ADAPTER_VERSIONS_TOPIC = "streamtune.adapter-versions"
 CDC_OFFSETS_TOPIC = "streamtune.cdc-offsets"
 INFERENCE_LOG_TOPIC = "streamtune.inference-log"
+REVIEW_TOPIC = "streamtune.review"  # pseudo-label candidates below the threshold (core/messages/review.py)
 ALIAS_MOVES_TOPIC = "streamtune.alias-moves"
 # Every job's broadcast topic (`<topic>.adapter-versions` from the API, and the default).
 BROADCAST_TOPIC_PATTERN = r".*adapter-versions"

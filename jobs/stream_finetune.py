@@ -13,6 +13,10 @@ Topics (created when missing):
 | --versions-topic   | streamtune.versions         | VersionRecord, exactly-once (read_committed)   |
 | --dlq-topic        | streamtune.dlq              | DeadLetter: payload, reason, source offset     |
 | --broadcast-topic  | streamtune.adapter-versions | AdapterVersionBroadcast per registered version |
+| --inference-log-topic | off                      | InferenceRecord (`streamtune serve`'s log):    |
+|                    |                             | pseudo-labels (operators/pseudo_labels.py)     |
+| --review-topic     | streamtune.review           | ReviewRecord: responses below the threshold,   |
+|                    |                             | exactly-once (with --inference-log-topic)      |
 
 The job also registers its own committed versions in MLflow (--tracking-uri) and broadcasts
 them (jobs/wiring.py `register`); --no-register leaves that to `streamtune registrar`.
@@ -28,20 +32,36 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pyflink.common import Types
 from pyflink.datastream import StreamExecutionEnvironment
 
 from core import defaults
+from connectors.flink_kafka import exactly_once_sink
 from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, table_environment, train_and_register
+from operators.pseudo_labels import REVIEW_TAG, PseudoLabelFunction
 from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction
 
 
-def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str) -> None:
+def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str,
+          inference_log_topic: str | None = None, review_topic: str = defaults.REVIEW_TOPIC) -> None:
+    """With `inference_log_topic`, its responses become pseudo-labels or review records
+    (operators/pseudo_labels.py) before the trainer; without it the graph is as it was."""
     t_env = table_environment(env)
-    rows = kafka_rows(t_env, job, "streamtune_input", [feedback_topic, job.config_topic])
+    inference = [inference_log_topic] if inference_log_topic else []
+    rows = kafka_rows(t_env, job, "streamtune_input", [feedback_topic, job.config_topic, *inference])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
-                                              job.max_record_bytes),
+                                              job.max_record_bytes, inference_topics=frozenset(inference)),
                              output_type=VALID_TYPE).name("validate").uid("validate")
-    train_and_register(t_env, job, validated, [validated.get_side_output(DLQ_TAG)])
+    dead_letters = [validated.get_side_output(DLQ_TAG)]
+    if inference:
+        validated = (validated.key_by(lambda r: r[1], key_type=Types.STRING())
+                     .process(PseudoLabelFunction(job.unknown_model_grace_ms), output_type=VALID_TYPE)
+                     .name("pseudo-labels").uid("pseudo-labels"))
+        dead_letters.append(validated.get_side_output(DLQ_TAG))
+        validated.get_side_output(REVIEW_TAG) \
+            .sink_to(exactly_once_sink(job.bootstrap, review_topic, f"{job.job_name}-review")) \
+            .name("review-sink").uid("review-sink")
+    train_and_register(t_env, job, validated, dead_letters)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,12 +69,18 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(p)
     p.add_argument("--feedback-topic", default=defaults.FEEDBACK_TOPIC)
+    p.add_argument("--inference-log-topic", default=None,
+                   help=f"pseudo-labels from this inference log (e.g. {defaults.INFERENCE_LOG_TOPIC}) for models "
+                        "whose spec has pseudo_labels; off by default")
+    p.add_argument("--review-topic", default=defaults.REVIEW_TOPIC,
+                   help="inference-log responses below the spec's pseudo_labels threshold (ReviewRecord)")
     p.add_argument("--job-name", default="streamtune-finetune")
     args = p.parse_args(argv)
     job = JobConfig.from_args(args, args.job_name)
-    job.create_topics(args.feedback_topic)
+    pseudo = [args.inference_log_topic, args.review_topic] if args.inference_log_topic else []
+    job.create_topics(args.feedback_topic, *pseudo)
     env = environment(job)
-    build(env, job, args.feedback_topic)
+    build(env, job, args.feedback_topic, args.inference_log_topic, args.review_topic)
     env.execute(job.job_name)
 
 

@@ -1,8 +1,9 @@
 """Edge validation: every input record becomes a typed record or a dead letter with a reason.
 
-Samples, specs and retrain triggers are checked against their contracts in core.messages;
-CDC change events (jobs/cdc_retrain.py) against the change envelope, and leave on
-CHANGE_TAG keyed by the changed row.
+Samples, specs and retrain triggers are checked against their contracts in core.messages,
+inference-log responses (--inference-log-topic: kind "inference", for operators/pseudo_labels.py)
+against InferenceRecord; CDC change events (jobs/cdc_retrain.py) against the change
+envelope, and leave on CHANGE_TAG keyed by the changed row.
 
 Counters `records_in`, `valid` and `dead_lettered` (Flink metrics of this operator)
 satisfy records_in == valid + dead_lettered at every checkpoint.
@@ -22,8 +23,8 @@ from pyflink.common import Types
 from pyflink.datastream import OutputTag, ProcessFunction
 
 from core.errors import InvalidMessage
-from core.messages import (ChangeEnvelope, DeadLetter, FeedbackSample, FinetuneSpec, RetrainTrigger, SourcePosition,
-                           decode)
+from core.messages import (ChangeEnvelope, DeadLetter, FeedbackSample, FinetuneSpec, InferenceRecord, RetrainTrigger,
+                           SourcePosition, decode)
 
 DLQ_TAG = OutputTag("dead-letters", Types.STRING())
 # CDC change events, keyed downstream by the changed row: (row_key, payload, topic, partition, offset, ts).
@@ -35,7 +36,7 @@ CHANGE_TAG = OutputTag("changes", CHANGE_TYPE)
 VALID_TYPE = Types.TUPLE([Types.STRING(), Types.STRING(), Types.STRING(), Types.STRING(),
                           Types.INT(), Types.LONG(), Types.LONG()])
 
-CONTRACTS = {"sample": FeedbackSample, "config": FinetuneSpec, "trigger": RetrainTrigger}
+CONTRACTS = {"sample": FeedbackSample, "config": FinetuneSpec, "trigger": RetrainTrigger, "inference": InferenceRecord}
 
 
 def dead_letter(code: str, detail: str, payload, topic: str, partition: int, offset: int, ts: int,
@@ -54,14 +55,22 @@ def _check_size(payload: str, max_bytes: int) -> None:
 def parse(kind: str, payload, max_bytes: int, served: frozenset[str]):
     """Validate one record; returns (kind, model_id) or raises InvalidMessage.
 
-    A config-topic record with a `trigger` field is a retrain trigger, not a spec. A spec
-    whose source (FinetuneSpec.source_id) is not in `served` belongs to another job.
+    A config-topic record with a `trigger` field is a retrain trigger, not a spec. An
+    inference-topic record with a `label` is feedback already judged (e.g. a correction
+    citing the response), a sample like any other, not a pseudo-label. A spec whose source
+    (FinetuneSpec.source_id) is not in `served` belongs to another job.
+
+    >>> parse("inference", '{"model_id": "bot", "sample_id": "1", "prompt": "p", "completion": "c", "ts": 0, '
+    ...       '"label": "corrected", "request_id": "r1"}', 1024, frozenset())
+    ('sample', 'bot')
     """
     if payload:
         _check_size(payload, max_bytes)
     obj = decode(payload)
     if kind == "config" and isinstance(obj, dict) and "trigger" in obj:
         kind = "trigger"
+    if kind == "inference" and isinstance(obj, dict) and "label" in obj:
+        kind = "sample"
     record = CONTRACTS[kind].from_dict(obj)
     if kind == "config" and record.source_id not in served:
         raise InvalidMessage("unsupported_source", f"stream_source {record.stream_source} is not served by this "
@@ -85,10 +94,11 @@ def parse_change(payload: str | None, max_bytes: int, kafka_key: str | None) -> 
 
 class ValidateFunction(ProcessFunction):
     def __init__(self, served: frozenset[str], config_topic: str, max_record_bytes: int,
-                 change_topics: frozenset[str] = frozenset()):
+                 change_topics: frozenset[str] = frozenset(), inference_topics: frozenset[str] = frozenset()):
         self.served, self.config_topic = served, config_topic
         self.max_record_bytes = max_record_bytes
         self.change_topics = change_topics  # CDC topics: their records go to CHANGE_TAG
+        self.inference_topics = inference_topics  # inference logs: kind "inference" (operators/pseudo_labels.py)
 
     def open(self, runtime_context):
         metrics = runtime_context.get_metrics_group()
@@ -99,7 +109,8 @@ class ValidateFunction(ProcessFunction):
     def process_element(self, row, ctx):
         payload, topic, partition, offset = row["payload"], row["topic"], row["partition"], row["offset"]
         ts = ctx.timestamp()
-        kind = "config" if topic == self.config_topic else "change" if topic in self.change_topics else "sample"
+        kind = ("config" if topic == self.config_topic else "change" if topic in self.change_topics
+                else "inference" if topic in self.inference_topics else "sample")
         self.records_in.inc()
         try:
             if kind == "change":

@@ -49,9 +49,9 @@ CREATE TEMPORARY TABLE feedback (
 -- Dead letters (core.messages.DeadLetter). Event time: when the rejected record was produced
 -- (source.timestamp), else this record's Kafka timestamp.
 CREATE TEMPORARY TABLE dlq (
-  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable | artifact_integrity',
+  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable | no_pseudo_labels | artifact_integrity',
   detail STRING,
-  kind STRING COMMENT 'sample | config | trigger | change | version',
+  kind STRING COMMENT 'sample | config | trigger | change | version | inference',
   model_id STRING COMMENT 'NULL unless known (unknown_model)',
   payload STRING COMMENT 'the original record value',
   source ROW<`topic` STRING, `partition` INT, `offset` BIGINT, `timestamp` BIGINT> COMMENT 'where the record was read',

@@ -11,6 +11,7 @@
 | ChangeEnvelope           | streamtune.cdc.<name>        | `streamtune cdc`, Debezium      | change        |
 | InferenceRecord          | streamtune.inference-log     | `streamtune serve`              | inference     |
 | AliasMove                | streamtune.alias-moves       | API, rollback guard             | alias_move    |
+| ReviewRecord             | streamtune.review            | pseudo-labels (below threshold) | review        |
 
 `sql/ddl.sql` declares the same fields as Flink SQL tables (tests/test_contracts.py checks it).
 """
@@ -22,12 +23,14 @@ from core.messages.change import ChangeEnvelope, ChangeOrigin, ChangeSource, Ret
 from core.messages.dead_letter import DeadLetter, SourcePosition
 from core.messages.feedback import FeedbackSample
 from core.messages.inference import InferenceRecord
-from core.messages.spec import AdapterConfig, EvaluationConfig, EwcConfig, FinetuneSpec, ReplayConfig, TrainingConfig, TriggerPolicy
+from core.messages.review import ReviewRecord
+from core.messages.spec import (AdapterConfig, EvaluationConfig, EwcConfig, FinetuneSpec, PseudoLabelConfig, ReplayConfig,
+                                 TrainingConfig, TriggerPolicy)
 from core.messages.trigger import RetrainTrigger
 from core.messages.version import (EvalScore, EvalSetResult, GateDecision, Lineage, OffsetRange, VersionMetrics,
                                   VersionRecord)
 
 __all__ = ["AliasMove", "MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
            "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample", "InferenceRecord",
-           "AdapterConfig", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "ReplayConfig", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
+           "AdapterConfig", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "PseudoLabelConfig", "ReplayConfig", "ReviewRecord", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
            "OffsetRange", "VersionMetrics", "VersionRecord", "EvalScore", "EvalSetResult", "GateDecision"]

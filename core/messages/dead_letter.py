@@ -16,7 +16,7 @@ from core.messages.base import Message
 
 # Why a record was dead-lettered (the `reason` field).
 REASONS = ("empty", "oversized", "bad_json", "schema", "unsupported_source", "unknown_model",
-           "not_a_change_event", "no_row_key", "unmappable", "artifact_integrity")
+           "not_a_change_event", "no_row_key", "unmappable", "artifact_integrity", "no_pseudo_labels")
 
 
 class SourcePosition(Message):
@@ -31,7 +31,7 @@ class SourcePosition(Message):
 class DeadLetter(Message):
     reason: Literal[REASONS]  # type: ignore[valid-type]
     detail: str
-    kind: Literal["sample", "config", "trigger", "change", "version"]
+    kind: Literal["sample", "config", "trigger", "change", "version", "inference"]
     model_id: Optional[str] = None
     payload: Optional[str] = None  # the original record value, as read
     source: SourcePosition

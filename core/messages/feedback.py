@@ -13,6 +13,11 @@ The Kafka record timestamp is the event time and equals `ts`; the key is the mod
 | ts           | integer, epoch milliseconds            | yes      |                                    |
 | origin       | object (ChangeOrigin)                  | no       | set by CDC: the row and change     |
 | request_id   | string                                 | no       | the served response it judges      |
+| pseudo_confidence | number in [0, 1]                  | no       | pseudo-labels only (below)         |
+
+A pseudo-label is made inside the job from an inference-log response
+(operators/pseudo_labels.py): its completion is the model's own output, `sample_id` is
+`pseudo:<request_id>`, and `pseudo_confidence` the model's mean token probability for it.
 
 >>> s = FeedbackSample(model_id="bot", sample_id="s1", prompt="x=1;y=", completion="2",
 ...                    label="rejected", ts=0)
@@ -40,6 +45,8 @@ class FeedbackSample(Message):
     ts: int = Field(ge=0)
     origin: Optional[ChangeOrigin] = None
     request_id: Optional[str] = Field(default=None, max_length=256)  # cites a `streamtune serve` response
+    # Set only on a pseudo-label (the model's own completion as target): its mean token probability.
+    pseudo_confidence: Optional[float] = Field(default=None, ge=0.0, le=1.0)
 
     @property
     def effective_weight(self) -> float:

@@ -15,12 +15,20 @@ Learning quality is opt-in: without `evaluation` the registrar's loss rule promo
 version becomes `champion` when its loss_after is no worse than the champion's); with it,
 the trainer scores each version and the champion on held-out data and decides
 (operators/quality.py). `replay` mixes older samples into each step; `ewc` (online EWC)
-pulls each step towards the previous version (weak: bench/forgetting.py):
+pulls each step towards the previous version (weak: bench/forgetting.py);
+`pseudo_labels` trains on the model's own confident answers from the inference log
+(operators/pseudo_labels.py):
 
 >>> q = spec.model_copy(update={"evaluation": EvaluationConfig(holdout_fraction=0.2, forgetting_tolerance=0.05),
 ...                             "replay": ReplayConfig(buffer_size=256, ratio=1.0)})
 >>> q.evaluation.metric, q.evaluation.recent_size, q.replay.ratio, q.spec_hash() != spec.spec_hash()
 ('exact_match', 64, 1.0, True)
+>>> spec.model_copy(update={"pseudo_labels": PseudoLabelConfig(threshold=0.8)}).pseudo_labels.weight
+1.0
+>>> PseudoLabelConfig.from_dict({"threshold": 0})
+Traceback (most recent call last):
+...
+core.errors.InvalidMessage: threshold: Input should be greater than 0
 >>> EvaluationConfig.from_dict({"tolerance": 0.1})
 Traceback (most recent call last):
 ...
@@ -125,6 +133,18 @@ class EwcConfig(Message):
     fisher_decay: float = Field(default=0.9, ge=0.0, le=1.0)       # weight of the older Fisher estimate
 
 
+class PseudoLabelConfig(Message):
+    """Pseudo-labels from the inference log (operators/pseudo_labels.py): a served response
+    becomes a training sample, its own completion the target, when the model's confidence in
+    it (the mean token probability, exp(mean_logprob)) is at or above `threshold`; below it
+    the response goes to the review topic. The comparison is made in log space
+    (mean_logprob >= ln(threshold)), so a response logged with ln(threshold) is at it exactly.
+    """
+
+    threshold: float = Field(gt=0.0, le=1.0)                # a mean token probability
+    weight: float = Field(default=1.0, ge=0.0, le=10.0)     # the loss weight of a pseudo-labelled sample
+
+
 class FinetuneSpec(Message):
     model_id: str = Field(pattern=MODEL_ID)
     stream_source: str
@@ -136,6 +156,7 @@ class FinetuneSpec(Message):
     evaluation: Optional[EvaluationConfig] = None
     replay: Optional[ReplayConfig] = None
     ewc: Optional[EwcConfig] = None
+    pseudo_labels: Optional[PseudoLabelConfig] = None
 
     @field_validator("stream_source")
     @classmethod
@@ -159,7 +180,7 @@ class FinetuneSpec(Message):
 
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
-        for optional in ("evaluation", "replay", "ewc"):  # absent sections leave the hash of older specs as it was
+        for optional in ("evaluation", "replay", "ewc", "pseudo_labels"):  # absent sections leave the hash of older specs as it was
             if fields[optional] is None:
                 del fields[optional]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
