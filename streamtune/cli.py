@@ -69,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     from .sqlclient.command import add_parser as add_sql_parser
 
     from .cdc import add_parser as add_cdc_parser
+    from .k8s import add_parser as add_render_parser
     from .registrar import add_parser as add_registrar_parser
     from .serve.cli import add_parser as add_serve_parser
 
     add_api_parsers(sub)
     add_cdc_parser(sub)
     add_registrar_parser(sub)
+    add_render_parser(sub)
     add_serve_parser(sub)
     add_sql_parser(sub)
     args = parser.parse_args(argv)
