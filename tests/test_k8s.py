@@ -291,7 +291,10 @@ def test_flink_settings_match_flink_conf():
         if obj["kind"] != "FlinkDeployment":
             continue
         gpu = "gpu" in where
-        assert obj["spec"]["flinkConfiguration"] == k8s.flink_configuration(gpu), where
+        conf, expected = obj["spec"]["flinkConfiguration"], k8s.flink_configuration(gpu)
+        differ = {k: (conf.get(k), expected.get(k)) for k in set(conf) | set(expected) if conf.get(k) != expected.get(k)}
+        assert not differ, f"{where}: (manifest, flink-conf/config.yaml + streamtune/k8s.py): {differ}; " \
+                           "update deploy/k8s/base/flink-*.yaml with flink-conf/config.yaml"
         assert obj["spec"]["flinkVersion"] == k8s.FLINK_VERSION
     settings = k8s.flink_configuration()
     for key, value in {"high-availability.type": "kubernetes", "state.backend.type": "rocksdb",
