@@ -54,6 +54,8 @@ class JobConfig:
     max_record_bytes: int = 65536
     lateness_ms: int = 0
     idle_timeout_ms: int = 2000
+    idle_close_ms: int = 5000
+    max_live_adapters: int = 64
     checkpoint_interval_ms: Optional[int] = None
     checkpoint_dir: Optional[str] = None
     restore_from: Optional[str] = None
@@ -72,6 +74,7 @@ class JobConfig:
         return TrainerSettings(default_base_model=str(Path(self.base_model).resolve()),
                                artifact_store=store_uri(self.artifact_store),
                                unknown_model_grace_ms=self.unknown_model_grace_ms, lateness_ms=self.lateness_ms,
+                               idle_close_ms=self.idle_close_ms, max_live_adapters=self.max_live_adapters,
                                tracking_uri=self.tracking_uri)
 
     def create_topics(self, *inputs: str) -> None:
@@ -103,6 +106,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lateness-ms", type=int, default=0)
     p.add_argument("--idle-timeout-ms", type=int, default=int(os.environ.get("STREAMTUNE_IDLE_TIMEOUT_MS", 2000)),
                    help="a partition without records this long stops holding the watermark")
+    p.add_argument("--idle-close-ms", type=int, default=5000,
+                   help="a model with no sample for its window_seconds plus this long closes its open windows "
+                        "(the watermark alone may never pass them once the data stops)")
+    p.add_argument("--max-live-adapters", type=int, default=64,
+                   help="adapters (with optimizer state) a trainer keeps in its model, least recently used "
+                        "out; an evicted model's next window loads it from keyed state")
     p.add_argument("--checkpoint-interval-ms", type=int, default=None)
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")

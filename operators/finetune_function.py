@@ -29,7 +29,7 @@ from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSampl
 from operators.counters import FunctionCounters
 from operators.quality import Kept, QualityState, SetScores, decide, draw_replay, is_held_out, load_fixed
 from operators.validate import DLQ_TAG, dead_letter
-from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
+from operators.windowing import Pending, due_batch, offset_ranges, steps, window_end, window_start
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class TrainerSettings:
     artifact_store: str                  # URI (connectors/artifact_store.py)
     unknown_model_grace_ms: int
     lateness_ms: int = 0
+    idle_close_ms: int = 5000            # a model's windows close this long after window_seconds without a sample
+    max_live_adapters: int = 64          # adapters a worker holds in its model; the rest wait in keyed state
     tracking_uri: str | None = None      # for an mlflow-artifacts:// store
 
 
@@ -52,6 +54,22 @@ def _lineage_origin(p: Pending) -> ChangeOrigin:
 
 
 class FinetuneFunction(KeyedProcessFunction):
+    # Keyed state, attribute -> state name (the names are in checkpoints: keep them):
+    # config       {"spec": json, "version": int, "hash": str}, the config in force
+    # pending      list[Pending], samples waiting for their window to close
+    # timer        end of the next window to close, or None
+    # idle         processing time the model's windows close if no sample comes, or None
+    # last_seen    processing time the model's last sample arrived
+    # grace        processing time the unknown-model grace ends, or None
+    # adapter      LoraTrainer state dict
+    # seq          versions emitted so far
+    # last_trigger window_end of the last retrain trigger applied
+    # retracted    origins of CDC rows retracted since the last version
+    # quality      QualityState: champion, eval sets, replay buffer
+    KEYED_STATE = {"config": "config", "pending": "pending", "timer": "window_end", "idle": "idle_timer",
+                   "last_seen": "last_seen", "grace": "grace_timer", "adapter": "adapter", "seq": "seq",
+                   "last_trigger": "last_trigger", "retracted": "retracted", "quality": "quality"}
+
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
 
@@ -67,30 +85,23 @@ class FinetuneFunction(KeyedProcessFunction):
         if Path(self.settings.default_base_model, "config.json").exists():
             LoraTrainer.for_base(self.settings.default_base_model)  # load once, before the first window
 
-        def state(name):
-            return runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY()))
-
-        self.config = state("config")      # {"spec": json, "version": int, "hash": str}
-        self.pending = state("pending")    # list[Pending]
-        self.timer = state("window_end")   # end of the next window to close, or None
-        self.grace = state("grace_timer")  # processing time the unknown-model grace ends, or None
-        self.adapter = state("adapter")    # LoraTrainer state dict
-        self.seq = state("seq")            # versions emitted so far
-        self.last_trigger = state("last_trigger")  # window_end of the last retrain trigger applied
-        self.retracted = state("retracted")  # origins of CDC rows retracted since the last version
-        self.quality = state("quality")      # QualityState: champion, eval sets, replay buffer
+        for attribute, name in self.KEYED_STATE.items():
+            setattr(self, attribute, runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())))
         self.champion_files: dict[str, bytes] = {}  # sha256 -> adapter weights, read once from the store
-        self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
+        metrics = runtime_context.get_metrics_group()
+        self.counters = FunctionCounters(metrics, (
             "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
-            "samples_superseded", "samples_retracted", "samples_held_out", "kept_samples_dropped", "versions_promoted",
-            "versions_refused"))
+            "samples_superseded", "samples_retracted", "windows_closed_idle", "samples_held_out",
+            "kept_samples_dropped", "versions_promoted", "versions_refused"))
+        metrics.gauge("live_adapters", lambda: LoraTrainer.live_totals()["adapters"])
+        metrics.gauge("live_adapter_bytes", lambda: LoraTrainer.live_totals()["bytes"])
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
         self.counters.enter_element()
         kind, model_id, body, topic, partition, offset, ts = value
         if kind == "config":
-            yield from self._on_config(body, ctx)
+            self._on_config(body, ctx)
             return
         if kind == "trigger":
             yield from self._on_trigger(body, ctx)
@@ -99,11 +110,6 @@ class FinetuneFunction(KeyedProcessFunction):
             self._on_retract(Retraction.from_json(body))
             return
         cfg = self.config.value()
-        if cfg is not None:
-            # The model's own data has moved past these window ends: close them before this
-            # sample joins, exactly as on every replay of the same records.
-            spec = FinetuneSpec.from_json(cfg["spec"])
-            yield from self._close_windows(ctx, spec, cfg, ts - self.settings.lateness_ms)
         sample = FeedbackSample.from_json(body)
         pending = self.pending.value() or []
         row_key = sample.origin.row_key if sample.origin else ""
@@ -113,23 +119,20 @@ class FinetuneFunction(KeyedProcessFunction):
         pending = pending + [Pending(
             sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
             body, row_key)]
+        self.pending.update(pending)
+        now = ctx.timer_service().current_processing_time()
+        self.last_seen.update(now)
         if cfg is None:
             if self.grace.value() is None:
                 # Wall-clock grace: a config sent moments after the first samples always wins,
                 # even when a backlog moves event time far ahead within those moments.
-                deadline = ctx.timer_service().current_processing_time() + self.settings.unknown_model_grace_ms
+                deadline = now + self.settings.unknown_model_grace_ms
                 self.grace.update(deadline)
                 ctx.timer_service().register_processing_time_timer(deadline)
-            self.pending.update(pending)
             return
-        batch, pending = capped_batch(pending, spec.trigger_policy.max_samples_per_step)
-        if batch:
-            end = window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
-            yield from self._fire(ctx.get_current_key(), spec, cfg, batch, end, "max_samples")
-        self.pending.update(pending)
-        if not pending:
-            self.timer.clear()
-        self._ensure_window_timer(ctx, spec, pending[-1:])
+        # Only the watermark closes this sample's window (on_timer): how the partitions of
+        # the input interleave never changes which samples a window holds.
+        self._ensure_window_timer(ctx, FinetuneSpec.from_json(cfg["spec"]), pending[-1:])
 
     def _on_config(self, body: str, ctx):
         spec = FinetuneSpec.from_json(body)
@@ -138,10 +141,9 @@ class FinetuneFunction(KeyedProcessFunction):
             version = (cfg["version"] if cfg else 0) + 1
             cfg = {"spec": body, "version": version, "hash": spec.spec_hash()}
             self.config.update(cfg)
-        pending = self.pending.value() or []
-        self._ensure_window_timer(ctx, spec, pending)
-        if pending:  # samples that waited for this config: close what their own data has passed
-            yield from self._close_windows(ctx, spec, cfg, max(s.ts for s in pending) - self.settings.lateness_ms)
+        # Samples that waited for this config: the watermark closes their windows, at once
+        # for those it has passed already (a timer at or below it fires with the next one).
+        self._ensure_window_timer(ctx, spec, self.pending.value() or [])
 
     def _on_trigger(self, body: str, ctx):
         """Train every pending sample now, below min_samples_per_window if need be."""
@@ -186,38 +188,68 @@ class FinetuneFunction(KeyedProcessFunction):
         return kept
 
     def _ensure_window_timer(self, ctx, spec: FinetuneSpec, pending: list[Pending]) -> None:
-        """The watermark closes the window of each pending sample when the model's data stops."""
+        """The watermark closes the window of each pending sample; the idle timer closes them
+        all when the model's data stops and nothing moves the watermark past them."""
         size = spec.trigger_policy.window_seconds
         if pending and self.timer.value() is None:
             self.timer.update(window_end(min(s.ts for s in pending), size))
         for end in {window_end(s.ts, size) for s in pending}:
             ctx.timer_service().register_event_time_timer(end)  # idempotent per (key, time)
+        if pending and self.idle.value() is None:
+            self._arm_idle_timer(ctx, ctx.timer_service().current_processing_time(), spec)
+
+    def _arm_idle_timer(self, ctx, since: int, spec: FinetuneSpec) -> None:
+        deadline = since + spec.trigger_policy.window_seconds * 1000 + self.settings.idle_close_ms
+        self.idle.update(deadline)
+        ctx.timer_service().register_processing_time_timer(deadline)
 
     # -- time ---------------------------------------------------------------------------
     def on_timer(self, timestamp, ctx):
-        model_id = ctx.get_current_key()
         if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
-            if self.grace.value() != timestamp:
-                return
-            resumed_deadline = self.opened_at + self.settings.unknown_model_grace_ms
-            if timestamp - self.settings.unknown_model_grace_ms < self.opened_at:
-                # Set before this run began: the downtime does not count against the config.
-                self.grace.update(resumed_deadline)
-                ctx.timer_service().register_processing_time_timer(resumed_deadline)
-                return
-            self.grace.clear()
-            if self.config.value() is None:
-                for s in self.pending.value() or []:
-                    self.counters.inc("unknown_model_dead_lettered")
-                    yield DLQ_TAG, dead_letter(
-                        "unknown_model", f"no config for model_id {model_id} within the "
-                        f"{self.settings.unknown_model_grace_ms} ms grace period",
-                        s.payload, s.topic, s.partition, s.offset, s.ts, "sample", model_id)
-                self.pending.clear()
+            if self.grace.value() == timestamp:
+                yield from self._on_grace_end(timestamp, ctx)
+            if self.idle.value() == timestamp:
+                yield from self._on_idle(timestamp, ctx)
             return
         cfg = self.config.value()
         if cfg is not None:
             yield from self._close_windows(ctx, FinetuneSpec.from_json(cfg["spec"]), cfg, timestamp)
+
+    def _on_grace_end(self, timestamp: int, ctx):
+        """No config came within the grace period: the model's samples go to the DLQ."""
+        model_id = ctx.get_current_key()
+        resumed_deadline = self.opened_at + self.settings.unknown_model_grace_ms
+        if timestamp - self.settings.unknown_model_grace_ms < self.opened_at:
+            # Set before this run began: the downtime does not count against the config.
+            self.grace.update(resumed_deadline)
+            ctx.timer_service().register_processing_time_timer(resumed_deadline)
+            return
+        self.grace.clear()
+        if self.config.value() is None:
+            for s in self.pending.value() or []:
+                self.counters.inc("unknown_model_dead_lettered")
+                yield DLQ_TAG, dead_letter(
+                    "unknown_model", f"no config for model_id {model_id} within the "
+                    f"{self.settings.unknown_model_grace_ms} ms grace period",
+                    s.payload, s.topic, s.partition, s.offset, s.ts, "sample", model_id)
+            self.pending.clear()
+
+    def _on_idle(self, timestamp: int, ctx):
+        """No sample of this model for window_seconds + idle_close_ms of wall time: close its
+        pending windows, which a watermark held by quiet partitions might never pass."""
+        self.idle.clear()
+        cfg, pending = self.config.value(), self.pending.value() or []
+        if cfg is None or not pending:
+            return
+        spec = FinetuneSpec.from_json(cfg["spec"])
+        # A restore's downtime does not count: the backlog of this model may be on its way.
+        last = max(self.last_seen.value() or 0, self.opened_at)
+        if last + spec.trigger_policy.window_seconds * 1000 + self.settings.idle_close_ms > timestamp:
+            self._arm_idle_timer(ctx, last, spec)
+            return
+        self.counters.inc("windows_closed_idle")
+        yield from self._close_windows(ctx, spec, cfg, window_end(max(s.ts for s in pending),
+                                                                  spec.trigger_policy.window_seconds))
 
     def _close_windows(self, ctx, spec: FinetuneSpec, cfg: dict, up_to: int):
         """Close every window ending at or before `up_to`: fire it, or carry its samples over.
@@ -230,7 +262,9 @@ class FinetuneFunction(KeyedProcessFunction):
         while pending and end is not None and end <= up_to:
             batch, pending = due_batch(pending, end, spec.trigger_policy.min_samples_per_window)
             if batch:
-                yield from self._fire(model_id, spec, cfg, batch, end, "window")
+                chunks = steps(batch, spec.trigger_policy.max_samples_per_step)
+                for chunk in chunks:
+                    yield from self._fire(model_id, spec, cfg, chunk, end, "max_samples" if len(chunks) > 1 else "window")
             newer = [s.ts for s in pending if s.ts >= end]
             end = window_end(min(newer) if newer else end, size)
             if not newer:
@@ -263,7 +297,7 @@ class FinetuneFunction(KeyedProcessFunction):
         version_id = version_id_for(model_id, end, batch)
         seed = (int(hashlib.sha256(version_id.encode()).hexdigest()[:8], 16) + spec.seed) % (2 ** 31)
         base = spec.base_model or self.settings.default_base_model
-        trainer = LoraTrainer.for_base(base)
+        trainer = LoraTrainer.for_base(base, self.settings.max_live_adapters)
         replayed = draw_replay(quality.replay, len(batch), replay.ratio, seed) if replay else []
         result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
                               replay=replayed, ewc=spec.ewc)

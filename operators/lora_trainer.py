@@ -29,6 +29,7 @@ import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,10 @@ class LoraTrainer:
         self.base = AutoModelForCausalLM.from_pretrained(self.base_dir, local_files_only=True).to(self.device)
         self.base.requires_grad_(False)
         self.model = None  # the PeftModel wrapping `base`, created with the first adapter
+        # Adapters held in the model (device memory), least recently used first. Beyond
+        # `max_live_adapters` the oldest leaves; its next step loads it from keyed state.
+        self.max_live_adapters = 64
+        self._recent: OrderedDict[str, None] = OrderedDict()
         # adapter name -> (sha256 of the state it holds, its optimizer): skips reloading
         # keyed state that this worker itself produced at the previous step.
         self._live: dict[str, tuple[str, torch.optim.Optimizer]] = {}
@@ -74,11 +79,21 @@ class LoraTrainer:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_base(cls, base_dir: str) -> "LoraTrainer":
+    def for_base(cls, base_dir: str, max_live_adapters: int | None = None) -> "LoraTrainer":
         """One trainer (one copy of the base weights) per base directory and worker."""
         key = str(Path(base_dir).resolve())
         with _BASES_LOCK:
-            return cls._load(key)
+            trainer = cls._load(key)
+        if max_live_adapters is not None:
+            trainer.max_live_adapters = max_live_adapters
+        return trainer
+
+    @classmethod
+    def live_totals(cls) -> dict:
+        """live_adapters() summed over this worker's trainers (the job's gauges)."""
+        with _BASES_LOCK:
+            lives = [t.live_adapters() for t in _BASES.values()]
+        return {"adapters": sum(x["adapters"] for x in lives), "bytes": sum(x["bytes"] for x in lives)}
 
     @classmethod
     def _load(cls, key: str) -> "LoraTrainer":
@@ -101,13 +116,31 @@ class LoraTrainer:
         if self.model is None:
             self.model = get_peft_model(self.base, config, adapter_name=name)
         elif name not in self.model.peft_config:
+            self._evict(keep=self.max_live_adapters - 1)
             self.model.add_adapter(name, config)
         self.model.set_adapter(name)
+        self._recent[name] = None
+        self._recent.move_to_end(name)
         marker = f".{name}."
         params = sorted(((n, p) for n, p in self.model.named_parameters() if marker in n), key=lambda x: x[0])
         for _, p in params:
             p.requires_grad_(True)
         return name, params
+
+    def _evict(self, keep: int) -> None:
+        """Drop the least recently used adapters (and their optimizers) down to `keep`."""
+        while len(self._recent) > max(keep, 1):
+            name, _ = self._recent.popitem(last=False)
+            self.model.delete_adapter(name)
+            self._live.pop(name, None)
+
+    def live_adapters(self) -> dict:
+        """{"adapters", "bytes"}: the adapters held in the model, with their optimizer state."""
+        tensors = [p for n, p in self.model.named_parameters() if "lora_" in n] if self.model else []
+        moments = [t for _, optimizer in self._live.values() for st in optimizer.state.values()
+                   for t in st.values() if torch.is_tensor(t)]
+        return {"adapters": len(self._recent),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors + moments)}
 
     # -- one step -----------------------------------------------------------------------
     def step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,

@@ -1,10 +1,12 @@
-"""Per-model event-time windows with carry-over and an early-fire cap (pure Python).
+"""Per-model event-time windows with carry-over and a step-size cap (pure Python).
 
 A model's window ends at the next multiple of `window_seconds` (epoch aligned). When the
 watermark passes a window's end, the samples stamped before it fire as one training step
 if there are at least `min_samples_per_window` of them; otherwise they carry over to the
 next window. Nothing is dropped: a late sample simply joins the next window that fires.
-`max_samples_per_step` fires early, so a burst never grows the buffer without bound.
+A window holding more than `max_samples_per_step` trains in steps of that many, in source
+order. Only the watermark closes a window, never the arrival of one sample: a window holds
+the same samples however the partitions of the input interleave, at any parallelism.
 
 >>> s = [Pending("a", "p", "c", 1.0, ts, "t", 0, i) for i, ts in enumerate([100, 900, 1500])]
 >>> window_end(100, 1)
@@ -15,6 +17,8 @@ next window. Nothing is dropped: a late sample simply joins the next window that
 >>> batch, rest = due_batch(s, fire_at=2000, min_samples=3)
 >>> [x.offset for x in batch], rest
 ([0, 1, 2], [])
+>>> [[x.offset for x in step] for step in steps(batch, max_samples=2)]
+[[0, 1], [2]]
 """
 
 from __future__ import annotations
@@ -61,12 +65,9 @@ def due_batch(pending: list[Pending], fire_at: int, min_samples: int) -> tuple[l
     return due, rest
 
 
-def capped_batch(pending: list[Pending], max_samples: int) -> tuple[list[Pending] | None, list[Pending]]:
-    """The oldest `max_samples` samples once the buffer holds that many."""
-    if len(pending) < max_samples:
-        return None, pending
-    ordered = sorted(pending, key=lambda s: s.order)
-    return ordered[:max_samples], ordered[max_samples:]
+def steps(batch: list[Pending], max_samples: int) -> list[list[Pending]]:
+    """A window's batch (in source order) cut into training steps of at most `max_samples`."""
+    return [batch[i:i + max_samples] for i in range(0, len(batch), max_samples)]
 
 
 def offset_ranges(batch: list[Pending]) -> list[dict]:

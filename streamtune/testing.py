@@ -39,11 +39,14 @@ def job_args(topics: dict, base_model, artifact_store, *extra: str) -> list[str]
 
 
 def spec_fields(model_id: str, stream_source: str, *, rank=4, targets=("q_proj", "v_proj"), min_samples=8,
-                window_seconds=2, **extra) -> dict[str, Any]:
+                window_seconds=2, max_samples=None, **extra) -> dict[str, Any]:
     """A fine-tune spec's fields, unchecked: tests of the dead-letter path break them on purpose."""
+    policy = {"min_samples_per_window": min_samples, "window_seconds": window_seconds}
+    if max_samples is not None:
+        policy["max_samples_per_step"] = max_samples
     return {"model_id": model_id, "stream_source": stream_source,
             "adapter_config": {"rank": rank, "alpha": 2 * rank, "target_modules": list(targets)},
-            "trigger_policy": {"min_samples_per_window": min_samples, "window_seconds": window_seconds},
+            "trigger_policy": policy,
             "training": {"lr": 0.01, "micro_batch_size": 8}, **extra}
 
 
@@ -172,6 +175,82 @@ class InMemoryValue:
 
     def clear(self) -> None:
         self.held = None
+
+
+class KeyedTimers:
+    """A keyed process function's context reduced to one key, a wall clock and the timers it
+    registered: to drive process_element and on_timer directly, firing timers as Flink would.
+
+    >>> t = KeyedTimers("m")
+    >>> t.register_event_time_timer(2000); t.register_event_time_timer(1000)
+    >>> t.due_event_timers(1500)
+    [1000]
+    """
+
+    def __init__(self, key: str, now_ms: int = 0):
+        self.key, self.now_ms = key, now_ms
+        self.event_timers: set[int] = set()
+        self.processing_timers: set[int] = set()
+        self.domain = None
+
+    def get_current_key(self) -> str:
+        return self.key
+
+    def timer_service(self) -> "KeyedTimers":
+        return self
+
+    def current_processing_time(self) -> int:
+        return self.now_ms
+
+    def register_event_time_timer(self, ts: int) -> None:
+        self.event_timers.add(ts)
+
+    def register_processing_time_timer(self, ts: int) -> None:
+        self.processing_timers.add(ts)
+
+    def time_domain(self):
+        return self.domain
+
+    def due_event_timers(self, watermark: int) -> list[int]:
+        """The event-time timers a watermark fires, in order (and forgets them)."""
+        due = sorted(t for t in self.event_timers if t <= watermark)
+        self.event_timers -= set(due)
+        return due
+
+    def due_processing_timers(self) -> list[int]:
+        due = sorted(t for t in self.processing_timers if t <= self.now_ms)
+        self.processing_timers -= set(due)
+        return due
+
+
+class TallyCounters:
+    """FunctionCounters (operators/counters.py) reduced to a tally."""
+
+    def __init__(self):
+        from collections import Counter
+
+        self.counts = Counter()
+
+    def enter_element(self) -> None:
+        pass
+
+    def inc(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+
+def trainer_function(base, store_dir, **settings):
+    """The job's trainer (operators/finetune_function.py) with its keyed state in variables and
+    a tally for counters: its process_element, on_timer and _fire, no Flink."""
+    from connectors.artifact_store import ArtifactStore, store_uri
+    from operators.finetune_function import FinetuneFunction, TrainerSettings
+
+    fn = FinetuneFunction(TrainerSettings(default_base_model=str(base), artifact_store=store_uri(str(store_dir)),
+                                          **{"unknown_model_grace_ms": 1000, **settings}))
+    fn.store = ArtifactStore(fn.settings.artifact_store)
+    for attribute in FinetuneFunction.KEYED_STATE:
+        setattr(fn, attribute, InMemoryValue())
+    fn.champion_files, fn.counters, fn.opened_at = {}, TallyCounters(), 0
+    return fn
 
 
 class CountingCounter:

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import Counter
 
 import pytest
 import torch
 
-from connectors.artifact_store import ArtifactStore, store_uri
 from core.messages import (AdapterConfig, ChangeOrigin, FeedbackSample, FinetuneSpec, Retraction, TrainingConfig,
                            VersionRecord)
-from operators.finetune_function import FinetuneFunction, TrainerSettings
+from operators.finetune_function import FinetuneFunction
 from operators.lora_trainer import LoraTrainer
 from operators.quality import Kept
 from operators.windowing import Pending
 from streamtune.conflicting_tasks import digits_of, task_a, task_b
-from streamtune.testing import InMemoryValue
+from streamtune import testing
 from streamtune.tinymodel import build_tiny_llama, digit_pairs
 
-STATES = ("config", "pending", "timer", "grace", "adapter", "seq", "last_trigger", "retracted", "quality")
 WINDOW = 64
 
 
@@ -36,29 +33,9 @@ def base(tmp_path_factory):
     return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
 
 
-class Counters:
-    """FunctionCounters reduced to a tally."""
-
-    def __init__(self):
-        self.counts: Counter[str] = Counter()
-
-    def enter_element(self) -> None:
-        pass
-
-    def inc(self, name: str, n: int = 1) -> None:
-        self.counts[name] += n
-
-
-def trainer_function(base: str, store_dir) -> FinetuneFunction:
+def trainer_function(base: str, store_dir):
     """The job's trainer with its keyed state in variables (one model): its _fire, no Flink."""
-    fn = FinetuneFunction(TrainerSettings(default_base_model=base, artifact_store=store_uri(str(store_dir)),
-                                          unknown_model_grace_ms=1000))
-    fn.store = ArtifactStore(fn.settings.artifact_store)
-    for name in STATES:
-        setattr(fn, name, InMemoryValue())
-    fn.champion_files = {}
-    fn.counters = Counters()
-    return fn
+    return testing.trainer_function(base, store_dir)
 
 
 def quality_spec(model_id: str, **sections) -> FinetuneSpec:
@@ -184,7 +161,7 @@ def test_a_replayed_window_makes_the_same_version_and_decision(base, tmp_path, t
     spec = quality_spec("again", evaluation={"holdout_fraction": 0.25, "recent_size": 32},
                         replay={"buffer_size": 128, "ratio": 0.5})
     fire_windows(fn, spec, pendings(a[:3 * WINDOW], "a", 0))
-    saved = {name: copy.deepcopy(getattr(fn, name).value()) for name in STATES}
+    saved = {name: copy.deepcopy(getattr(fn, name).value()) for name in FinetuneFunction.KEYED_STATE}
     window = pendings(b[:WINDOW], "b", 10_000)
     first = fire_windows(fn, spec, window)[0]
     for name, value in saved.items():  # the restore: the checkpointed state, the same records
@@ -220,25 +197,9 @@ def test_retracted_rows_leave_eval_sets_and_replay_buffer(base, tmp_path):
     newer = pendings([("x=0000;y=", "1111")], "new", 5000, row_keys=True)[0]
     newer_payload = FeedbackSample.from_json(newer.payload).model_copy(update={
         "origin": ChangeOrigin(row_key=changed.row_key, op="u", table="t")})
-    list(fn.process_element(("sample", "cdc", newer_payload.to_json(), "feedback", 0, 5000, 10 ** 6), KeyContext("cdc")))
+    list(fn.process_element(("sample", "cdc", newer_payload.to_json(), "feedback", 0, 5000, 10 ** 6), testing.KeyedTimers("cdc")))
     assert changed.row_key not in {s.row_key for s in fn.quality.value().replay}
     assert [p.row_key for p in fn.pending.value()] == [changed.row_key]
-
-
-class KeyContext:
-    """What process_element asks of Flink's context, reduced to a key and timers nobody fires."""
-
-    def __init__(self, key: str):
-        self.key = key
-
-    def get_current_key(self) -> str:
-        return self.key
-
-    def timer_service(self):
-        return self
-
-    def register_event_time_timer(self, ts: int) -> None:
-        pass
 
 
 # ------------------------------------------------------------------------- EWC

@@ -1,0 +1,141 @@
+"""The trainer's windows at the operator level (no Flink, no stack): a window holds the same
+samples however the partitions interleave, a quiet model's windows close on the idle timer,
+and adapters evicted from a worker's bounded cache train on to the same bytes.
+
+The operator's process_element and on_timer are driven directly, timers fired as Flink fires
+them (streamtune.testing.KeyedTimers): event-time timers when the watermark passes them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.messages import AdapterConfig, FeedbackSample, FinetuneSpec, TrainingConfig, VersionRecord
+from operators.lora_trainer import LoraTrainer
+from operators.quality import Kept
+from pyflink.datastream import TimeDomain
+from streamtune.testing import KeyedTimers, trainer_function
+from streamtune.tinymodel import build_tiny_llama, digit_pairs
+
+T0 = 1_777_000_000_000
+PARTITIONS = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    torch.set_num_threads(1)
+    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+def window_spec(model_id: str) -> FinetuneSpec:
+    return FinetuneSpec.model_validate({
+        "model_id": model_id, "stream_source": "kafka://topic=feedback",
+        "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "trigger_policy": {"min_samples_per_window": 4, "window_seconds": 1, "max_samples_per_step": 6},
+        "training": {"lr": 0.01, "micro_batch_size": 4}, "seed": 3})
+
+
+def partitioned_records(model_id: str, n: int, span_ms: int = 3000) -> list[list[tuple]]:
+    """The model's samples over `span_ms` of event time, dealt round-robin over 4 partitions:
+    each partition's records (the job's input tuples), in offset order."""
+    pairs = digit_pairs(n, seed=8)
+    parts: list[list[tuple]] = [[] for _ in range(PARTITIONS)]
+    for i, (prompt, completion) in enumerate(pairs):
+        ts = T0 + i * span_ms // n
+        sample = FeedbackSample(model_id=model_id, sample_id=f"s{i}", prompt=prompt, completion=completion, ts=ts)
+        part = parts[i % PARTITIONS]
+        part.append(("sample", model_id, sample.to_json(), "feedback", i % PARTITIONS, len(part), ts))
+    return parts
+
+
+def run(fn, ctx: KeyedTimers, spec: FinetuneSpec, arrival: list[tuple]) -> list[VersionRecord]:
+    """Feed the records in `arrival` order; after each, the watermark moves to the minimum over
+    partitions of the newest timestamp each has delivered (Flink's per-partition watermarks)."""
+    out = list(fn.process_element(("config", spec.model_id, spec.to_json(), "configs", 0, 0, T0 - 1), ctx))
+    newest = [T0 - 1] * PARTITIONS
+    for record in arrival:
+        out += fn.process_element(record, ctx)
+        newest[record[4]] = record[6]
+        ctx.domain = TimeDomain.EVENT_TIME
+        for t in ctx.due_event_timers(min(newest) - 1):
+            out += fn.on_timer(t, ctx)
+    return [VersionRecord.from_json(r) for r in out if isinstance(r, str)]
+
+
+def interleavings(parts: list[list[tuple]]) -> dict[str, list[tuple]]:
+    """Round-robin (the partitions in step), and each partition read far ahead of the others."""
+    robin = [r for group in zip(*parts) for r in group]
+    ahead = [r for i in range(0, len(parts[0]), 8) for part in parts for r in part[i:i + 8]]
+    return {"round_robin": robin, "read_ahead": ahead}
+
+
+def fingerprint(versions: list[VersionRecord]) -> list[tuple]:
+    return [(v.version_id, v.sha256, tuple(v.lineage.sample_ids), v.trigger) for v in versions]
+
+
+def test_a_window_holds_the_same_samples_however_the_partitions_interleave(base, tmp_path):
+    parts = partitioned_records("inter", 48)
+    runs = {}
+    for name, arrival in interleavings(parts).items():
+        LoraTrainer.for_base(base)._live.clear()  # each run its own worker
+        runs[name] = run(trainer_function(base, tmp_path / name), KeyedTimers("inter"), window_spec("inter"), arrival)
+    assert fingerprint(runs["round_robin"]) == fingerprint(runs["read_ahead"])
+    versions = runs["round_robin"]
+    # Windows 0 and 1 closed (16 samples each: steps of 6, 6, 4); window 2 waits for the watermark.
+    assert [len(v.lineage.sample_ids) for v in versions] == [6, 6, 4, 6, 6, 4]
+    assert [v.window_end for v in versions] == [T0 + 1000] * 3 + [T0 + 2000] * 3
+    assert [v.trigger for v in versions] == ["max_samples"] * 6
+
+
+def test_a_quiet_models_windows_close_on_the_idle_timer(base, tmp_path):
+    fn, ctx = trainer_function(base, tmp_path, idle_close_ms=5000), KeyedTimers("quiet", now_ms=10_000)
+    spec = window_spec("quiet")
+    records = [r for part in partitioned_records("quiet", 12, span_ms=900) for r in part]  # one window
+    assert run(fn, ctx, spec, records) == []  # the watermark held below the first window's end
+    ctx.domain = TimeDomain.PROCESSING_TIME
+    ctx.now_ms += 1000 + 5000 - 1  # window_seconds + idle_close_ms after the last sample: not yet
+    assert [r for t in ctx.due_processing_timers() for r in fn.on_timer(t, ctx)] == []
+    ctx.now_ms += 1
+    out = [VersionRecord.from_json(r) for t in ctx.due_processing_timers() for r in fn.on_timer(t, ctx)]
+    assert sorted(i for v in out for i in v.lineage.sample_ids) == sorted(f"s{i}" for i in range(12))
+    assert fn.counters.counts["windows_closed_idle"] == 1 and fn.pending.value() == []
+
+
+def test_a_sample_arriving_rearms_the_idle_timer(base, tmp_path):
+    fn, ctx = trainer_function(base, tmp_path, idle_close_ms=5000), KeyedTimers("busy", now_ms=10_000)
+    spec = window_spec("busy")
+    first, second = partitioned_records("busy", 8, span_ms=900)[:2]
+    run(fn, ctx, spec, first)
+    ctx.now_ms += 4000
+    list(fn.process_element(second[0], ctx))  # the model is not quiet: the deadline moves
+    ctx.domain = TimeDomain.PROCESSING_TIME
+    ctx.now_ms += 2500  # past the first deadline, not the second
+    assert [r for t in ctx.due_processing_timers() for r in fn.on_timer(t, ctx)] == []
+    assert fn.counters.counts["windows_closed_idle"] == 0 and len(fn.pending.value()) == 3
+
+
+def test_adapters_evicted_from_a_bounded_worker_train_on_to_the_same_bytes(base):
+    adapter = AdapterConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    training = TrainingConfig(lr=0.01, micro_batch_size=4)
+    pairs = digit_pairs(6 * 3 * 4, seed=12)
+    windows = {f"lru{m}": [[Kept(f"{m}-{w}-{i}", *pairs[(m * 3 + w) * 4 + i], 1.0, "") for i in range(4)]
+                           for w in range(3)] for m in range(6)}
+
+    def train_all(max_live: int) -> tuple[list[str], int]:
+        trainer = LoraTrainer.for_base(base, max_live_adapters=max_live)
+        trainer._evict(keep=0)
+        states, shas, most = {}, [], 0
+        for w in range(3):
+            for model_id, steps in windows.items():  # round-robin: every model evicted between its steps
+                result = trainer.step(model_id, adapter, training, states.get(model_id), steps[w], seed=w)
+                states[model_id] = result.state
+                shas.append(result.sha256)
+                most = max(most, trainer.live_adapters()["adapters"])
+        return shas, most
+
+    bounded, most_bounded = train_all(max_live=2)
+    unbounded, most_unbounded = train_all(max_live=64)
+    assert bounded == unbounded
+    assert most_bounded == 2 and most_unbounded == 6
+    LoraTrainer.for_base(base, max_live_adapters=64)
