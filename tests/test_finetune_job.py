@@ -207,18 +207,24 @@ def test_demo_champion_lifts_held_out_exact_match(stack_config):
 def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lettered(
         stack_config, base_model, tmp_path, unique):
     """min_samples 10 → 20 and rank 4 → 8 mid-stream; an invalid config that must not apply;
-    then a retrain trigger that trains the one pending sample below the minimum."""
+    then a retrain trigger that trains the one pending sample below the minimum.
+
+    Each phase is sent at once and then the model goes quiet: its windows close on the idle
+    timer (a small backlog read at once leaves the config topic's partition holding the
+    watermark), with the same carry-over as on the watermark."""
     topics = job_topics(stack_config.kafka_bootstrap, f"test.hot-{unique}")
     model_id = f"hot-{unique}"
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, tmp_path, "--bootstrap", stack_config.kafka_bootstrap,
-        "--checkpoint-interval-ms", "1000", "--job-name", f"hot-{unique}"))
+        "--checkpoint-interval-ms", "1000", "--idle-close-ms", "3000", "--job-name", f"hot-{unique}"))
     bs = stack_config.kafka_bootstrap
     pairs = digit_pairs(200, seed=9)
     try:
         send_config(bs, topics["configs"], spec(model_id, topics, rank=4, min_samples=10, window_seconds=2), T0)
-        # Phase 1: four 2 s windows of 12 samples; the first three close (12 >= 10).
-        send_samples(bs, topics["feedback"], digit_samples(model_id, pairs[:48], T0, 2000 / 12, id_prefix="p1-"))
+        # Phase 1: three 2 s windows of 12 samples (12 >= 10), then a window of 8 that carries over.
+        phase1 = (digit_samples(model_id, pairs[:36], T0, 2000 / 12, id_prefix="p1-")
+                  + digit_samples(model_id, pairs[36:44], T0 + 6000, 2000 / 8, id_prefix="p1w4-"))
+        send_samples(bs, topics["feedback"], phase1)
         first = wait_for_records(bs, topics["versions"], VersionRecord, 3, timeout=120, read_committed=False)
         assert len(first) == 3
         send_config(bs, topics["configs"], spec(model_id, topics, rank=8, min_samples=20, window_seconds=2), T0 + 1)
@@ -226,9 +232,9 @@ def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lette
                               window_seconds=2)
         send_raw(bs, topics["configs"], model_id, json.dumps(invalid), T0 + 2)
         # The first and the second config and phase 1 (the invalid config stops at validation).
-        wait_until_trainer_read(stack_config, job, 1 + 48 + 1)
-        # Phase 2: windows 5-7 with 25 samples each, then a closer in window 9.
-        phase2 = digit_samples(model_id, pairs[48:123], T0 + 8000, 2000 / 25, id_prefix="p2-")
+        wait_until_trainer_read(stack_config, job, 1 + len(phase1) + 1)
+        # Phase 2: windows 5-7 with 25 samples each, then a lone sample in window 9.
+        phase2 = digit_samples(model_id, pairs[44:119], T0 + 8000, 2000 / 25, id_prefix="p2-")
         closer = digit_samples(model_id, pairs[:1], T0 + 16_500, 1, id_prefix="closer-")
         send_samples(bs, topics["feedback"], phase2 + closer)
         wait_for_records(bs, topics["versions"], VersionRecord, 6, timeout=120)
@@ -247,8 +253,8 @@ def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lette
     assert all(v.adapter.rank == 4 and v.config_version == 1 and v.metrics.samples == 12 for v in old)
     assert all(v.adapter.rank == 8 and v.config_version == 2 for v in new), "invalid config never applied"
     assert [v.fresh_adapter for v in versions] == [True, False, False, True, False, False]
-    # Window 4's 12 samples carry over (12 < 20) and train with window 5's 25.
-    assert [v.metrics.samples for v in new] == [37, 25, 25]
+    # Window 4's 8 samples carry over (8 < 10) and train with window 5's 25.
+    assert [v.metrics.samples for v in new] == [33, 25, 25]
     assert new[0].trigger_policy.min_samples_per_window == 20
     assert len(dlq) == 1 and dlq[0].reason == "schema" and dlq[0].kind == "config"
     assert "adapter_config.rank" in dlq[0].detail and json.loads(dlq[0].payload) == invalid
