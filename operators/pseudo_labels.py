@@ -17,7 +17,8 @@ section `pseudo_labels` (core.messages.PseudoLabelConfig):
 `pseudo_records_in` = labeled + held for review + dead-lettered, once no record waits for a
 spec. The threshold is a probability; the comparison is made in log space
 (mean_logprob >= ln(threshold)), because exp(ln(t)) is not t for many t: a response logged
-with ln(threshold) is at the threshold, exactly.
+with ln(threshold) is at the threshold, exactly. (One a few ulps below it is held, though
+its confidence, rounded back to a probability, may read as the threshold itself.)
 
 Keyed by model_id, before the trainer: specs pass through and the function keeps each
 model's latest `pseudo_labels` section (a spec without it turns pseudo-labels off). Records

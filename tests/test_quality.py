@@ -8,22 +8,31 @@ replays older samples: it learns B without forgetting A, and such a version is p
 What the gate decided is checked on the version records, on MLflow (aliases and tags), and
 by loading each `champion` from MLflow with plain PEFT and measuring it on fresh held-out
 sets of both tasks.
+
+Pseudo-labels (the last test) run in a job of their own: inference-log records of known
+confidence around a spec's threshold, checked on the versions' lineage, the review topic,
+the DLQ and the job's own counters.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 
 import pytest
 
+from connectors.kafka import create_topic
 from connectors.mlflow_registry import find_version, make_client
-from core.messages import AdapterVersionBroadcast, FinetuneSpec, VersionRecord
+from core.messages import (AdapterVersionBroadcast, DeadLetter, FeedbackSample, FinetuneSpec, InferenceRecord,
+                           RetrainTrigger, ReviewRecord, VersionRecord)
 from streamtune.conflicting_tasks import digits_of, task_a, task_b
 from streamtune.demo import champion_exact_match
-from streamtune.feedback import digit_samples, send_config, send_samples
-from streamtune.stack.flink import cancel_job, submit_detached
-from streamtune.testing import job_args, job_topics, records_read, wait_for, wait_for_records
+from streamtune.feedback import digit_samples, producer, send_config, send_samples
+from streamtune.stack.flink import cancel_job, job_counters, submit_detached
+from streamtune.testing import job_args, job_topics, records_read, spec, wait_for, wait_for_records
+from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.quality
 REPO = Path(__file__).resolve().parents[1]
@@ -167,3 +176,132 @@ def test_a_tolerance_update_applies_from_the_next_version(run, stack_config, bas
     # The plain champion now answers B and has forgotten A: what the guard had held back.
     _, on_a = champion_exact_match(stack_config, run["plain"], base_model, run["held_a"])
     assert on_a <= 0.2, on_a
+
+
+# ------------------------------------------------------------------------------ pseudo-labels
+
+THRESHOLD = 0.8
+AT = math.log(THRESHOLD)  # a response logged with ln(threshold) is at it exactly
+PSEUDO = {  # request_id -> mean_logprob, for the model whose spec has pseudo_labels
+    "above0": math.log(0.95), "above1": math.log(0.9), "above2": math.nextafter(AT, 0.0),  # one ulp above
+    "at0": AT, "at1": AT,
+    "below0": AT - 1e-9, "below1": math.log(0.5), "below2": math.log(0.05),
+    "positive": 0.5,  # not a log-probability: dead-lettered by the pseudo-label step
+}
+
+
+@pytest.fixture(scope="module")
+def pseudo_run(stack_config, base_model, tmp_path_factory):
+    bs = stack_config.kafka_bootstrap
+    u = f"{time.time_ns() % 10**9:x}"
+    prefix = f"test.pseudo-{u}"
+    topics = {**job_topics(bs, prefix), "inference": f"{prefix}.inference-log", "review": f"{prefix}.review"}
+    for name in ("inference", "review"):
+        create_topic(bs, topics[name])
+    model, off = f"pseudo-{u}", f"nopseudo-{u}"
+    pairs = iter(digit_pairs(20, seed=11))
+
+    def inference(request_id: str, mean_logprob: float, model_id: str = model, ts: int = T0 + 100) -> str:
+        prompt, completion = next(pairs)
+        return json.dumps({"request_id": request_id, "model_id": model_id, "version": 1, "alias": "champion",
+                           "arm": "champion", "prompt": prompt, "completion": completion,
+                           "mean_logprob": mean_logprob, "latency_ms": 3.0, "ts": ts})
+
+    # On the inference-log topic, in this order (one partition): each kind of record once or more.
+    records = [(model, inference(rid, lp)) for rid, lp in PSEUDO.items()]
+    records += [(off, inference("off0", AT, off)),  # its model's spec has no pseudo_labels
+                (model, '{"request_id": "broken", "model_id": "' + model),  # bad_json, at validation
+                (model, json.dumps({k: v for k, v in json.loads(inference("nocompletion", AT)).items()
+                                    if k != "completion"})),  # schema, at validation
+                # Feedback already judged, citing a response: a sample like any other, not a pseudo-label.
+                (model, FeedbackSample(model_id=model, sample_id="fix-below1", prompt="x=1;y=", completion="2",
+                                       label="corrected", request_id="below1", ts=T0 + 200).to_json()),
+                # Its own data passes the first window's end: that window closes, this one waits
+                # (for the retrain trigger below, or the trainer's idle close, whichever comes first).
+                (model, inference("closer", math.log(0.99), ts=T0 + 5000))]
+    job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
+        topics, base_model, tmp_path_factory.mktemp("adapters"), "--bootstrap", bs,
+        "--inference-log-topic", topics["inference"], "--review-topic", topics["review"],
+        "--checkpoint-interval-ms", "1000", "--job-name", f"pseudo-{u}"))
+    try:
+        send_config(bs, topics["configs"], spec(model, topics, min_samples=1, pseudo_labels={"threshold": THRESHOLD}),
+                    T0)
+        send_config(bs, topics["configs"], spec(off, topics, min_samples=1), T0)
+        wait_for(lambda: records_read(stack_config, job, "lora-trainer") >= 2, 90, "the trainer to read the specs",
+                 interval=0.5)
+        p = producer(bs)
+        try:
+            for key, value in records:
+                # The Kafka timestamp is the event time: the record's ts, T0 + 100 for the unparsable one.
+                ts = json.loads(value)["ts"] if value.endswith("}") else T0 + 100
+                p.send(topics["inference"], key=key.encode(), value=value.encode(), timestamp_ms=ts)
+            p.flush()
+        finally:
+            p.close()
+        wait_for_records(bs, topics["versions"], VersionRecord, 1, timeout=180, predicate=lambda v: v.model_id == model)
+        # The first window has closed, so the trainer holds the closer: train it now (a no-op
+        # if its window has closed already). Either way it is the second and last version.
+        send_config(bs, topics["configs"], RetrainTrigger(model_id=model, reason="test: train the closer"), T0 + 6000)
+        versions = wait_for_records(bs, topics["versions"], VersionRecord, 2, timeout=120,
+                                    predicate=lambda v: v.model_id == model)
+        review = wait_for_records(bs, topics["review"], ReviewRecord, 3, timeout=60)
+        dlq = wait_for_records(bs, topics["dlq"], DeadLetter, 4, timeout=60)
+        counters: dict[str, int] = {}
+        control = 3  # two specs and the trigger, on the config topic
+        expected = {"validate.records_in": control + len(records), "validate.valid": control + len(records) - 2,
+                    "validate.dead_lettered": 2, "pseudo-labels.pseudo_records_in": len(PSEUDO) + 2,
+                    "pseudo-labels.pseudo_labeled": 6, "pseudo-labels.pseudo_held_for_review": 3,
+                    "pseudo-labels.pseudo_dead_lettered": 2, "lora-trainer.samples_trained": 7}
+
+        def caught_up() -> bool:  # Flink publishes metrics every few seconds
+            counters.update(job_counters(stack_config.flink_rest_url, job))
+            return all(counters.get(k) == v for k, v in expected.items())
+
+        try:
+            wait_for(caught_up, 60, "the job's counters to reach what was sent", interval=1)
+        except AssertionError:
+            pass  # the test compares them and shows both
+        yield {"model": model, "off": off, "topics": topics, "versions": versions, "review": review, "dlq": dlq,
+               "counters": counters, "expected": expected, "sent": control + len(records)}
+    finally:
+        cancel_job(stack_config, job)
+
+
+def test_pseudo_labels_only_at_or_above_the_threshold_and_the_counters_reconcile(pseudo_run):
+    """Acceptance (issue 13): pseudo-labels are used only at or above the threshold, and the
+    counters reconcile."""
+    trained = sorted(s for v in pseudo_run["versions"] for s in v.lineage.sample_ids)
+    # At or above: trained as pseudo:<request_id>; the labelled correction as itself; nothing below.
+    assert trained == sorted(["pseudo:above0", "pseudo:above1", "pseudo:above2", "pseudo:at0", "pseudo:at1",
+                              "pseudo:closer", "fix-below1"]), trained
+    assert [v.lineage.sample_ids[-1:] for v in pseudo_run["versions"]][1:] == [["pseudo:closer"]]
+
+    review = {r.inference.request_id: r for r in pseudo_run["review"]}
+    assert set(review) == {"below0", "below1", "below2"} and len(pseudo_run["review"]) == 3
+    for rid, r in review.items():
+        assert r.confidence == pytest.approx(math.exp(PSEUDO[rid]), rel=1e-12) and r.confidence < THRESHOLD
+        assert (r.reason, r.threshold, r.source.topic) == ("below_threshold", THRESHOLD, pseudo_run["topics"]["inference"])
+        assert r.inference.model_id == pseudo_run["model"]
+
+    dead = sorted((d.reason, d.kind, d.model_id or "") for d in pseudo_run["dlq"])
+    assert len(pseudo_run["dlq"]) == 4 and dead == sorted([
+        ("bad_json", "inference", ""), ("schema", "inference", ""),
+        ("no_pseudo_labels", "inference", pseudo_run["off"]), ("schema", "inference", pseudo_run["model"])]), dead
+    by_reason = {d.reason: d for d in pseudo_run["dlq"] if d.model_id}
+    assert InferenceRecord.from_json(by_reason["no_pseudo_labels"].payload).request_id == "off0"
+    assert "pseudo_labels" in by_reason["no_pseudo_labels"].detail
+    assert "log-probability" in by_reason["schema"].detail
+    assert all(d.detail and d.source.topic == pseudo_run["topics"]["inference"] for d in pseudo_run["dlq"])
+
+    assert not {s for s in trained if "below" in s and s.startswith("pseudo:")}, "nothing below the threshold"
+
+    counters, expected = pseudo_run["counters"], pseudo_run["expected"]
+    assert {k: counters.get(k) for k in expected} == expected
+    # The job's own counters against each other and against what was sent.
+    pseudo = {k.split(".")[1]: v for k, v in counters.items() if k.startswith("pseudo-labels.")}
+    assert pseudo["pseudo_records_in"] == (pseudo["pseudo_labeled"] + pseudo["pseudo_held_for_review"]
+                                           + pseudo["pseudo_dead_lettered"])
+    assert counters["validate.records_in"] == pseudo_run["sent"]
+    assert counters["validate.dead_lettered"] + pseudo["pseudo_dead_lettered"] == len(pseudo_run["dlq"])
+    assert pseudo["pseudo_held_for_review"] == len(pseudo_run["review"])
+    assert counters["lora-trainer.samples_trained"] == len(trained)
