@@ -216,8 +216,9 @@ def pseudo_run(stack_config, base_model, tmp_path_factory):
                 # Feedback already judged, citing a response: a sample like any other, not a pseudo-label.
                 (model, FeedbackSample(model_id=model, sample_id="fix-below1", prompt="x=1;y=", completion="2",
                                        label="corrected", request_id="below1", ts=T0 + 200).to_json()),
-                # Its own data passes the first window's end: that window closes, this one waits
-                # (for the retrain trigger below, or the trainer's idle close, whichever comes first).
+                # Its event time carries the watermark past the first window's end (or the idle close
+                # does): that window closes; this one waits for the retrain trigger below or the
+                # trainer's idle close, whichever comes first.
                 (model, inference("closer", math.log(0.99), ts=T0 + 5000))]
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, tmp_path_factory.mktemp("adapters"), "--bootstrap", bs,
