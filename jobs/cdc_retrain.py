@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> None:
         mapping = CdcMapping.load(args.mapping)
     except ConfigError as e:
         p.error(f"--mapping: {e}")
-    # Parallelism 1 unless asked: a source's changes then reach the trainer in commit order,
-    # which its windows need (they close on each model's own data frontier). With more
-    # subtasks, changes of different rows can overtake each other between the two key_bys.
-    job = JobConfig.from_args(args, args.job_name, parallelism=args.parallelism or 1)
+    # Any parallelism: a row's changes all pass one row-changes subtask, so they reach the
+    # trainer in commit order; changes of different rows may interleave, which windows
+    # closing on the watermark do not see (a retrain trigger trains what has arrived).
+    job = JobConfig.from_args(args, args.job_name)
     job.create_topics(*args.cdc_topic)
     env = environment(job, CDC_JOB_SETTINGS)
     build(env, job, args.cdc_topic, mapping)

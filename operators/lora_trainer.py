@@ -53,8 +53,25 @@ class StepResult:
     metrics: dict
 
 
+_GPU_SLOT = 0  # which of the visible GPUs this worker trains on (place_on_gpu)
+
+
+def place_on_gpu(subtask_index: int) -> None:
+    """Trainers created from now on in this worker use GPU `subtask_index` mod the GPUs it sees.
+
+    The TaskManager declares its GPUs through Flink's external-resource framework, and Flink
+    schedules slots by them; PyFlink gives Python functions no access to a slot's resource
+    info (RuntimeContext.getExternalResourceInfos is Java-only), so the subtask index picks
+    one, as Flink's own GPU example does. With one slot per GPU, one trainer per GPU.
+    """
+    global _GPU_SLOT
+    _GPU_SLOT = subtask_index
+
+
 def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", _GPU_SLOT % torch.cuda.device_count())
 
 
 class LoraTrainer:
