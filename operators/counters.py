@@ -9,6 +9,11 @@ remembers it and re-enters it for increments made from timers. Increments made b
 first element (timers fired on restore) are held and added then.
 
 Outside a Flink worker (no Beam state tracker) the counters simply count.
+
+Histograms (`observe`): PyFlink's `distribution()` reaches Flink as a Gauge of a Beam
+DistributionResult, which the Prometheus reporter cannot export (it writes 0.0 for a gauge
+that is not a number). A histogram here is two counters, `<name>_count` and `<name>_sum`
+(integers, so they go through the same scope re-entry), and a gauge `<name>_max`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,13 @@ class FunctionCounters:
     """Counters `names` of one function's metric group; call `enter_element()` first thing in
     `process_element`, `inc(name)` anywhere."""
 
-    def __init__(self, metric_group, names: Iterable[str]):
+    def __init__(self, metric_group, names: Iterable[str], histograms: Iterable[str] = ()):
+        histograms = tuple(histograms)
+        names = (*names, *(f"{h}_{part}" for h in histograms for part in ("count", "sum")))
         self._counters = {name: metric_group.counter(name) for name in names}
+        self.max = {h: 0 for h in histograms}
+        for h in histograms:  # gauges are read when a bundle finishes, in the operator's scope
+            metric_group.gauge(f"{h}_max", lambda h=h: self.max[h])
         self._scope = None
         self._held: Tally[str] = Tally()
 
@@ -40,6 +50,13 @@ class FunctionCounters:
                 for name, n in self._held.items():
                     self._counters[name].inc(n)
                 self._held.clear()
+
+    def observe(self, name: str, value: float) -> None:
+        """One value of histogram `name` (rounded to an int, as Flink's Python gauges are)."""
+        value = int(round(value))
+        self.inc(f"{name}_count")
+        self.inc(f"{name}_sum", value)
+        self.max[name] = max(self.max[name], value)
 
     def inc(self, name: str, n: int = 1) -> None:
         counter = self._counters[name]

@@ -28,6 +28,7 @@ from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSampl
                            RetrainTrigger, Retraction, VersionMetrics, VersionRecord)
 from operators.counters import FunctionCounters
 from operators.quality import Kept, QualityState, SetScores, decide, draw_replay, is_held_out, load_fixed
+from operators.tracing import span
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, due_batch, offset_ranges, steps, window_end, window_start
 
@@ -51,6 +52,29 @@ def version_id_for(model_id: str, end: int, batch: list[Pending]) -> str:
 def _lineage_origin(p: Pending) -> ChangeOrigin:
     """The CDC origin of a pending sample (row, op, LSNs or resume token) and its sample id."""
     return FeedbackSample.from_json(p.payload).origin.model_copy(update={"sample_id": p.sample_id})
+
+
+class PendingSizes:
+    """The pending state, and in memory each model's pending count (gauge pending_samples:
+    this subtask's models; after a restore a model counts from its next record or timer).
+    `key` is the model whose record or timer is being processed."""
+
+    def __init__(self, state, sizes: dict):
+        self.state, self.sizes, self.key = state, sizes, None
+
+    def value(self):
+        return self.state.value()
+
+    def update(self, pending) -> None:
+        self.state.update(pending)
+        if pending:
+            self.sizes[self.key] = len(pending)
+        else:
+            self.sizes.pop(self.key, None)
+
+    def clear(self) -> None:
+        self.state.clear()
+        self.sizes.pop(self.key, None)
 
 
 class FinetuneFunction(KeyedProcessFunction):
@@ -93,13 +117,24 @@ class FinetuneFunction(KeyedProcessFunction):
         self.counters = FunctionCounters(metrics, (
             "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
             "samples_superseded", "samples_retracted", "windows_closed_idle", "samples_held_out",
-            "kept_samples_dropped", "versions_promoted", "versions_refused"))
+            "kept_samples_dropped", "versions_promoted", "versions_refused"), histograms=("step_ms", "freshness_ms"))
         metrics.gauge("live_adapters", lambda: LoraTrainer.live_totals()["adapters"])
         metrics.gauge("live_adapter_bytes", lambda: LoraTrainer.live_totals()["bytes"])
+        self.watch_pending()
+        # Flink's Python gauges are integers: the loss in millionths.
+        metrics.gauge("last_loss_micro", lambda: round(self.last_step["loss_after"] * 1e6))
+        metrics.gauge("adapter_state_bytes", lambda: self.last_step["state_bytes"])
+        metrics.gauge("pending_samples", lambda: sum(self.pending.sizes.values()))
+
+    def watch_pending(self) -> None:
+        """The gauges' in-memory side: pending counts per model, the last step's loss and state size."""
+        self.pending = PendingSizes(self.pending, {})
+        self.last_step = {"loss_after": 0.0, "state_bytes": 0}
 
     # -- input --------------------------------------------------------------------------
     def process_element(self, value, ctx):
         self.counters.enter_element()
+        self.pending.key = ctx.get_current_key()
         kind, model_id, body, topic, partition, offset, ts = value
         if kind == "config":
             self._on_config(body, ctx)
@@ -206,6 +241,7 @@ class FinetuneFunction(KeyedProcessFunction):
 
     # -- time ---------------------------------------------------------------------------
     def on_timer(self, timestamp, ctx):
+        self.pending.key = ctx.get_current_key()
         if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
             if self.grace.value() == timestamp:
                 yield from self._on_grace_end(timestamp, ctx)
@@ -300,11 +336,16 @@ class FinetuneFunction(KeyedProcessFunction):
         base = spec.base_model or self.settings.default_base_model
         trainer = LoraTrainer.for_base(base, self.settings.max_live_adapters)
         replayed = draw_replay(quality.replay, len(batch), replay.ratio, seed) if replay else []
-        result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
-                              replay=replayed, ewc=spec.ewc)
-        # Written before the state moves on; a replay writes the same bytes under the same name.
-        artifact = self.store.put(result.files, result.sha256)
-        gate = self._gate(trainer, model_id, spec, quality, result.metrics["loss_after"]) if evaluation else None
+        with span("streamtune.train_step", model_id=model_id, version_id=version_id, samples=len(batch),
+                  trigger=trigger, replayed=len(replayed)) as traced:
+            result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
+                                  replay=replayed, ewc=spec.ewc)
+            # Written before the state moves on; a replay writes the same bytes under the same name.
+            artifact = self.store.put(result.files, result.sha256)
+            gate = self._gate(trainer, model_id, spec, quality, result.metrics["loss_after"]) if evaluation else None
+            traced.set_attribute("loss_after", result.metrics["loss_after"])
+            if gate:
+                traced.set_attribute("promote", gate.promote)
         if gate.promote if gate else _loss_rule(quality.champion, result.metrics["loss_after"]):
             quality = replace(quality, champion={
                 "version_id": version_id, "artifact_uri": artifact, "sha256": result.sha256,
@@ -323,13 +364,19 @@ class FinetuneFunction(KeyedProcessFunction):
         origins = [_lineage_origin(s) for s in batch if s.row_key]
         self.counters.inc("windows_fired")
         self.counters.inc("samples_trained", len(batch))
+        self.last_step = {"loss_after": result.metrics["loss_after"],
+                          "state_bytes": sum(len(v) for v in result.state.values() if isinstance(v, bytes))}
+        operator_seconds = time.perf_counter() - started
+        self.counters.observe("step_ms", operator_seconds * 1000)
+        # Freshness: from the newest sample's Kafka timestamp to this version leaving the step.
+        self.counters.observe("freshness_ms", max(0, time.time() * 1000 - max(s.ts for s in batch)))
         # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).
         yield VersionRecord(
             version_id=version_id, model_id=model_id, seq=seq, window_start=start, window_end=end,
             artifact_uri=artifact, sha256=result.sha256, base_model=trainer.base_dir,
             config_version=cfg["version"], fresh_adapter=result.fresh_adapter,
             adapter=spec.adapter_config, trigger_policy=spec.trigger_policy,
-            metrics=VersionMetrics(**result.metrics, operator_seconds=round(time.perf_counter() - started, 4)),
+            metrics=VersionMetrics(**result.metrics, operator_seconds=round(operator_seconds, 4)),
             lineage=Lineage(sample_ids=[s.sample_id for s in batch], offsets=offset_ranges(batch),
                             origins=origins or None, retracted=retracted or None, held_out=held_out or None),
             trigger=trigger, gate=gate,

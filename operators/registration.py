@@ -30,6 +30,7 @@ from pyflink.datastream.state import ValueStateDescriptor
 from core.errors import ArtifactIntegrityError, InvalidMessage
 from core.messages import VersionRecord
 from operators.counters import FunctionCounters
+from operators.tracing import span
 from operators.validate import DLQ_TAG, dead_letter
 
 log = logging.getLogger("streamtune.registration")
@@ -96,8 +97,12 @@ class RegistrationFunction(KeyedProcessFunction):
             payload, topic, partition, offset, ts = queue[0]
             record = VersionRecord.from_json(payload)  # checked before it was queued
             try:
-                mv, created = register_version(self.client, record, self.store)
-                broadcast = broadcast_for(record, mv)
+                with span("streamtune.register", model_id=record.model_id, version_id=record.version_id,
+                          samples=len(record.lineage.sample_ids)) as traced:
+                    mv, created = register_version(self.client, record, self.store)
+                    broadcast = broadcast_for(record, mv)
+                    traced.set_attribute("mlflow_version", int(mv.version))
+                    traced.set_attribute("created", created)
             except ArtifactIntegrityError as e:
                 self.counters.inc("integrity_failures")
                 log.error("version %s not registered: %s", record.version_id, e)

@@ -237,6 +237,11 @@ class TallyCounters:
     def inc(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
 
+    def observe(self, name: str, value: float) -> None:
+        """A histogram's value (FunctionCounters.observe): `<name>_count` and `<name>_sum`."""
+        self.counts[f"{name}_count"] += 1
+        self.counts[f"{name}_sum"] += int(round(value))
+
 
 def trainer_function(base, store_dir, **settings):
     """The job's trainer (operators/finetune_function.py) with its keyed state in variables and
@@ -250,6 +255,7 @@ def trainer_function(base, store_dir, **settings):
     for attribute in FinetuneFunction.KEYED_STATE:
         setattr(fn, attribute, InMemoryValue())
     fn.champion_files, fn.counters, fn.opened_at = {}, TallyCounters(), 0
+    fn.watch_pending()
     return fn
 
 

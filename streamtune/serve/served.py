@@ -21,6 +21,7 @@ from core.errors import ArtifactIntegrityError, ConfigError, StreamtuneError
 from core.messages import InferenceRecord
 from core.routing import BASE
 from operators.adapter_pool import AdapterPool, Generation
+from operators.tracing import span
 
 from .guard import GuardSettings, OnlineGuard
 from core.routing import ModelName, arm_for, parse_model_name
@@ -128,12 +129,13 @@ class ServedModels:
                 self.routes.get(model_id, {}).pop(alias, None)
             log.info("%s@%s removed", model_id, alias)
             return
-        key = self._ensure_loaded(model_id, version)  # raises: the route stays where it was
-        with self.pool.lock:
-            self.routes.setdefault(model_id, {})[alias] = version
-            if alias == "champion":
-                self.pool.activate(key)  # hot before the first request that needs it
-                self.swap_seconds.set(self.pool.last_swap_seconds)
+        with span("streamtune.swap", model_id=model_id, alias=alias, mlflow_version=version):
+            key = self._ensure_loaded(model_id, version)  # raises: the route stays where it was
+            with self.pool.lock:
+                self.routes.setdefault(model_id, {})[alias] = version
+                if alias == "champion":
+                    self.pool.activate(key)  # hot before the first request that needs it
+                    self.swap_seconds.set(self.pool.last_swap_seconds)
         self.swaps.labels(alias).inc()
         log.info("%s@%s -> v%d acknowledged", model_id, alias, version)
 
