@@ -239,11 +239,12 @@ def test_feedback_event_mapping():
 
 # ---------------------------------------------------------------- fuzzing and its oracle
 
-SERVICES = ("Flink", "Kafka", "MLflow")
+SERVICES = ("Flink", "Kafka", "MLflow", "streamtune serve")
 
 
 def service_named(detail: str) -> str | None:
-    """The service a 503's detail blames: the first of Flink, Kafka and MLflow it names."""
+    """The service a 503's detail blames: the first of Flink, Kafka, MLflow and the inference
+    server (GET /v1/models/{id}/serving) it names."""
     found = sorted((detail.lower().find(name.lower()), name) for name in SERVICES if name.lower() in detail.lower())
     return found[0][1] if found else None
 
@@ -255,6 +256,10 @@ def service_answers(stack, service: str) -> bool:
             return requests.get(f"{stack.flink_rest_url}/overview", timeout=5).status_code == 200
         if service == "MLflow":
             return requests.get(f"{stack.mlflow_uri}/health", timeout=5).status_code == 200
+        if service == "streamtune serve":  # where the app looks for it: STREAMTUNE_SERVE_URL unset
+            from streamtune.api.gateway import SERVE_PORT
+
+            return requests.get(f"http://{stack.host}:{SERVE_PORT}/healthz", timeout=5).status_code == 200
         from kafka import KafkaAdminClient
 
         admin = KafkaAdminClient(bootstrap_servers=stack.kafka_bootstrap, request_timeout_ms=5000)

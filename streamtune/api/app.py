@@ -35,14 +35,15 @@ log = logging.getLogger("streamtune.api")
 JOB_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "stream_finetune.py"
 
 
-def read_token(token_file: Optional[str]) -> Optional[str]:
-    """The bearer token: the content of `token_file` when given, else $STREAMTUNE_API_TOKEN.
+def read_token(token_file: Optional[str], env_var: str = "STREAMTUNE_API_TOKEN") -> Optional[str]:
+    """The bearer token: the content of `token_file` when given, else $STREAMTUNE_API_TOKEN
+    (or `env_var`).
 
     A token must be visible ASCII: HTTP headers carry nothing else, so any other token could
     never be sent (the client would crash encoding it).
     """
     if not token_file:
-        token, source = os.environ.get("STREAMTUNE_API_TOKEN") or None, "STREAMTUNE_API_TOKEN"
+        token, source = os.environ.get(env_var) or None, env_var
     else:
         source = f"--token-file {token_file}"
         try:
@@ -62,6 +63,7 @@ class ApiSettings:
 
     stack: StackConfig
     token: Optional[str] = None
+    feedback_token: Optional[str] = None       # STREAMTUNE_API_FEEDBACK_TOKEN: POST /v1/feedback only
     read_auth: bool = False
     max_body_bytes: int = 1 << 20
     max_feedback_batch: int = 500
@@ -73,6 +75,7 @@ class ApiSettings:
     extra_job_args: list[str] = field(default_factory=list)
     flink_timeout_s: float = 300.0
     cors_origins: list[str] = field(default_factory=list)  # STREAMTUNE_API_CORS_ORIGINS, comma-separated
+    serve_url: Optional[str] = None            # STREAMTUNE_SERVE_URL, default http://<stack host>:8100
 
     def __post_init__(self) -> None:
         s = self.stack
@@ -81,18 +84,23 @@ class ApiSettings:
                                                                               "STREAMTUNE_DATA_DIR": str(s.data_dir)})
         self.jobs_file = Path(self.jobs_file or s.home / "api" / "jobs.json")
         self.promotion_log = Path(self.promotion_log or s.home / "api" / "promotions.jsonl")
+        if self.feedback_token is not None and self.feedback_token == self.token:
+            raise ConfigError("STREAMTUNE_API_FEEDBACK_TOKEN must differ from the write token")
         if self.max_body_bytes < 1 or self.max_feedback_batch < 1:
             raise ConfigError("max_body_bytes and max_feedback_batch must be >= 1")
 
     @classmethod
     def from_env(cls, token_file: Optional[str] = None, **kwargs) -> "ApiSettings":
-        """Stack from STREAMTUNE_*; token from --token-file, else STREAMTUNE_API_TOKEN;
-        read auth on when STREAMTUNE_API_READ_AUTH is 1/true/yes."""
+        """Stack from STREAMTUNE_*; token from --token-file, else STREAMTUNE_API_TOKEN; the
+        feedback token from STREAMTUNE_API_FEEDBACK_TOKEN; the inference server at
+        STREAMTUNE_SERVE_URL; read auth on when STREAMTUNE_API_READ_AUTH is 1/true/yes."""
         read_auth = os.environ.get("STREAMTUNE_API_READ_AUTH", "").lower() in ("1", "true", "yes")
         kwargs.setdefault("stack", StackConfig.from_env())
         kwargs.setdefault("read_auth", read_auth)
         kwargs.setdefault("cors_origins", [o.strip() for o in os.environ.get("STREAMTUNE_API_CORS_ORIGINS", "").split(",")
                                            if o.strip()])
+        kwargs.setdefault("feedback_token", read_token(None, "STREAMTUNE_API_FEEDBACK_TOKEN"))
+        kwargs.setdefault("serve_url", os.environ.get("STREAMTUNE_SERVE_URL") or None)
         return cls(token=read_token(token_file), **kwargs)
 
 
@@ -174,7 +182,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     gateway = StackGateway(settings.stack, settings.job_script,
                            ["--base-model", str(settings.base_model), "--artifact-store", settings.artifact_store,
                             "--tracking-uri", settings.stack.mlflow_uri, *settings.extra_job_args],
-                           settings.flink_timeout_s)
+                           settings.flink_timeout_s, serve_url=settings.serve_url)
 
     captures = CaptureSupervisor(settings.stack.home / "api" / "captures", capture_env(settings.stack))
 
@@ -192,6 +200,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                   description=__doc__.split("\n\n")[0], exception_handlers=EXCEPTION_HANDLERS)
     app.state.control_plane = ControlPlane(gateway=gateway, jobs=JobsFile(settings.jobs_file),
                                            promotions=PromotionLog(settings.promotion_log), token=settings.token,
+                                           feedback_token=settings.feedback_token,
                                            read_auth=settings.read_auth,
                                            max_feedback_batch=settings.max_feedback_batch,
                                            captures=captures, pipelines_dir=settings.stack.home / "api" / "pipelines")

@@ -7,6 +7,7 @@ with 503; a model or version that MLflow does not have raises MlflowNotFound (40
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import threading
@@ -23,8 +24,11 @@ from streamtune.stack.config import StackConfig
 from streamtune.stack.flink import flink_cli, job_counters, submit_detached
 from streamtune.stack.process import StackError
 
-from .models import VersionInfo
+from .models import EvalSetView, GateView, ServingResponse, VersionInfo
 
+# `streamtune serve --port`'s default: where the control plane looks for the server when
+# STREAMTUNE_SERVE_URL is not set.
+SERVE_PORT = 8100
 # Flink job states in which a job still serves (or is about to serve) its topic.
 CDC_JOB_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "cdc_retrain.py"
 LIVE_STATES = {"CREATED", "INITIALIZING", "RUNNING", "RESTARTING", "RECONCILING"}
@@ -40,6 +44,10 @@ class StackUnavailable(ServiceUnavailable):
 
 class MlflowNotFound(StreamtuneError, LookupError):
     """MLflow has no such registered model or version (answered with 404)."""
+
+
+class NotServed(StreamtuneError, LookupError):
+    """`streamtune serve` does not serve that model (answered with 404)."""
 
 
 def job_name(topic: str) -> str:
@@ -86,8 +94,10 @@ class StackGateway:
     and closed by `close()`.
     """
 
-    def __init__(self, stack: StackConfig, job_script: Path, job_args: list[str], flink_timeout_s: float):
+    def __init__(self, stack: StackConfig, job_script: Path, job_args: list[str], flink_timeout_s: float,
+                 serve_url: Optional[str] = None):
         self.stack = stack
+        self.serve_url = (serve_url or f"http://{stack.host}:{SERVE_PORT}").rstrip("/")
         self.job_script = job_script
         self.job_args = job_args
         self.flink_timeout_s = flink_timeout_s
@@ -217,6 +227,29 @@ class StackGateway:
                     raise StackUnavailable(f"Kafka not reachable at {bootstrap}: {type(e).__name__}: {e}")
             return self._producer
 
+    # ------------------------------------------------------------ streamtune serve
+
+    def serving(self, model_id: str) -> ServingResponse:
+        """The split and online metrics of `model_id` from the inference server's
+        GET /v1/models/{id}/serving (StackUnavailable when it cannot be asked, NotServed when
+        it does not serve the model)."""
+        url = f"{self.serve_url}/v1/models/{model_id}/serving"
+        try:
+            r = requests.get(url, timeout=5)
+        except requests.RequestException as e:
+            raise StackUnavailable(f"streamtune serve not reachable at {self.serve_url}: {type(e).__name__} "
+                                   "(start it with `streamtune serve`, or point STREAMTUNE_SERVE_URL at it)")
+        if r.status_code == 404:
+            raise NotServed(f"streamtune serve at {self.serve_url} does not serve model {model_id}: "
+                            f"{_error_text(r)}")
+        if r.status_code >= 400:
+            raise StackUnavailable(f"streamtune serve at {self.serve_url} answered {r.status_code}: {_error_text(r)}")
+        try:
+            return ServingResponse.model_validate({**r.json(), "serve_url": self.serve_url})
+        except ValueError as e:
+            raise StackUnavailable(f"streamtune serve at {self.serve_url} answered what is not its serving status "
+                                   f"(another program on that port?): {str(e).splitlines()[0][:200]}")
+
     # ------------------------------------------------------------ MLflow
 
     def versions(self, model_id: str) -> list[VersionInfo]:
@@ -269,6 +302,55 @@ class StackGateway:
             raise StackUnavailable(f"MLflow not reachable at {uri}: {type(e).__name__}")
 
 
+def _error_text(r: requests.Response) -> str:
+    """The error message of an answer of streamtune serve (OpenAI's shape), else its text."""
+    try:
+        body = r.json()
+        return str(body["error"]["message"] if "error" in body else body.get("detail", body))[:300]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return r.text[:300]
+
+
+def gate_view(tags: dict[str, str]) -> Optional[GateView]:
+    """The promotion gate's decision and scores from a version's tags (see
+    connectors.mlflow_registry.gate_tags); None for a version registered without a gate.
+
+    >>> g = gate_view({"streamtune.gate": "refused", "streamtune.gate_reason": "forgot",
+    ...                "streamtune.eval.retained.exact_match": "0.2", "streamtune.eval.retained.passed": "False",
+    ...                "streamtune.eval.recent.loss": "0.3"})
+    >>> g.decision, [(s.name, s.exact_match, s.passed) for s in g.sets]
+    ('refused', [('recent', None, None), ('retained', 0.2, False)])
+    """
+    decision = tags.get("streamtune.gate")
+    if decision is None:
+        return None
+    sets: dict[str, dict[str, Any]] = {}
+    for key, value in tags.items():
+        m = re.fullmatch(r"streamtune\.eval\.([A-Za-z0-9_-]+)\.([a-z_]+)", key)
+        if m is None or m.group(2) not in EvalSetView.model_fields:
+            continue
+        name, field = m.groups()
+        try:
+            parsed: Any = value == "True" if field == "passed" else int(value) if field == "size" else float(value)
+        except ValueError:
+            continue
+        sets.setdefault(name, {"name": name})[field] = parsed
+    order = ["recent", "retained", "fixed"]
+    return GateView(decision=decision, rule=tags.get("streamtune.gate_rule"), reason=tags.get("streamtune.gate_reason"),
+                    metric=tags.get("streamtune.gate_metric"), champion=tags.get("streamtune.gate_champion"),
+                    sets=[EvalSetView(**sets[n]) for n in sorted(sets, key=lambda n: (order.index(n) if n in order
+                                                                                       else len(order), n))])
+
+
+def _rollback(tags: dict[str, str]) -> Optional[dict]:
+    """The serving guard's decision on a version (tag streamtune.rollback, JSON), if any."""
+    try:
+        value = json.loads(tags["streamtune.rollback"])
+    except (KeyError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _version_info(mv, aliases: list[str]) -> VersionInfo:
     """An MLflow model version, its aliases and the streamtune.* tags the registrar set on it."""
     tags = mv.tags or {}
@@ -283,4 +365,4 @@ def _version_info(mv, aliases: list[str]) -> VersionInfo:
                        run_id=mv.run_id, source=mv.source, created_ms=mv.creation_timestamp,
                        version_id=tags.get("streamtune.version_id"), seq=tag("seq"),
                        window_start=tag("window_start"), window_end=tag("window_end"), samples=tag("samples"),
-                       loss_after=tag("loss_after", float))
+                       loss_after=tag("loss_after", float), gate=gate_view(tags), rollback=_rollback(tags))

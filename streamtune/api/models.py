@@ -41,6 +41,31 @@ class SubmitResponse(BaseModel):
     submitted: bool = Field(description="true when this request submitted a new Flink job")
 
 
+class EvalSetView(BaseModel):
+    """One eval set of the promotion gate: the version and the champion on the same samples."""
+    name: str
+    size: Optional[int] = None
+    exact_match: Optional[float] = None
+    loss: Optional[float] = None
+    champion_exact_match: Optional[float] = None
+    champion_loss: Optional[float] = None
+    forgotten: Optional[float] = Field(default=None, description="retained set: share of the champion's exact "
+                                                                 "answers this version misses")
+    tolerance: Optional[float] = None
+    passed: Optional[bool] = None
+
+
+class GateView(BaseModel):
+    """The trainer's promotion gate on a version, from its MLflow tags (`streamtune.gate*`,
+    `streamtune.eval.<set>.*`); absent on versions registered without a gate."""
+    decision: str = Field(description="promoted | refused")
+    rule: Optional[str] = None
+    reason: Optional[str] = None
+    metric: Optional[str] = None
+    champion: Optional[str] = Field(default=None, description="version_id of the champion it was compared with")
+    sets: list[EvalSetView] = []
+
+
 class VersionInfo(BaseModel):
     version: int
     aliases: list[str]
@@ -54,11 +79,45 @@ class VersionInfo(BaseModel):
     window_end: Optional[int] = None
     samples: Optional[int] = None
     loss_after: Optional[float] = None
+    gate: Optional[GateView] = None
+    rollback: Optional[dict[str, Any]] = Field(default=None, description="the serving guard's decision on this "
+                                                                         "version (tag streamtune.rollback)")
 
 
 class VersionsResponse(BaseModel):
     model_id: str
     versions: list[VersionInfo]
+
+
+class ArmView(BaseModel):
+    """One arm of `streamtune serve` for a model. `requests`/`errors` count this server's
+    requests since it started; the rest is the guard's: responses in the inference log and
+    feedback citing them, all time, and the acceptance over its window for the arm's version."""
+    arm: str = Field(description="champion | candidate | pinned | base")
+    version: Optional[int] = None
+    requests: int = 0
+    errors: int = 0
+    responses: Optional[int] = None
+    judged: Optional[int] = None
+    accepted: Optional[int] = None
+    corrected: Optional[int] = None
+    rejected: Optional[int] = None
+    acceptance: Optional[float] = None
+    correction_rate: Optional[float] = None
+    window_events: Optional[int] = None
+    window_acceptance: Optional[float] = None
+
+
+class ServingResponse(BaseModel):
+    """`GET /v1/models/{id}/serving` of `streamtune serve`, fetched by the control plane."""
+    model_id: str
+    serve_url: str
+    candidate_fraction: float
+    aliases: dict[str, int] = Field(description="routes the server acknowledged (alias -> version)")
+    registry_aliases: dict[str, Any] = {}
+    arms: list[ArmView]
+    guard: dict[str, Any] = Field(description="enabled, margin, min_events, window")
+    decisions: list[dict[str, Any]] = Field(description="rollback decisions with their numbers")
 
 
 class Window(BaseModel):

@@ -8,7 +8,12 @@
 | GET    /v1/models/{model_id}/versions   | read_auth       | MLflow versions                               |
 | POST   /v1/models/{model_id}/aliases    | bearer          | move an alias (promote / roll back), logged   |
 | GET    /v1/models/{model_id}/promotions | read_auth       | the promotion log of that model               |
-| POST   /v1/feedback                     | bearer          | click / dwell / correction events → feedback topic |
+| GET    /v1/models/{model_id}/serving    | read_auth       | streamtune serve's split and online metrics (proxied) |
+| POST   /v1/feedback                     | bearer/feedback | click / dwell / correction events → feedback topic |
+
+Tokens. The write token (STREAMTUNE_API_TOKEN) is accepted everywhere. The feedback token
+(STREAMTUNE_API_FEEDBACK_TOKEN), meant for pages that embed /feedback.js, is accepted by
+POST /v1/feedback only: any other guarded call answers 403 to it.
 
 Jobs. One Flink job per Kafka source topic T, named `streamtune-T`, reading feedback from T
 and configs from `T.configs`, writing versions to `T.versions` and dead letters to `T.dlq`.
@@ -51,11 +56,11 @@ from core import defaults
 from core.messages import MODEL_ID, AliasMove, FinetuneSpec
 
 from .captures import CaptureSupervisor
-from .gateway import (LIVE_STATES, MlflowNotFound, StackGateway, StackUnavailable, job_name, job_topics,
+from .gateway import (LIVE_STATES, MlflowNotFound, NotServed, StackGateway, StackUnavailable, job_name, job_topics,
                       unusable_job_topic)
 from .jobs_file import JobsFile, PromotionLog
 from .models import (AliasRequest, AliasResponse, Counters, ErrorBody, FeedbackAccepted, FeedbackEvent, Promotion,
-                     PromotionsResponse, StatusResponse, StopResponse, SubmitResponse, VersionsResponse, Window,
+                     PromotionsResponse, ServingResponse, StatusResponse, StopResponse, SubmitResponse, VersionsResponse, Window,
                      to_sample)
 
 
@@ -71,6 +76,7 @@ class ControlPlane:
     max_feedback_batch: int
     captures: CaptureSupervisor    # the CDC pipelines' captures
     pipelines_dir: Path            # their mapping files
+    feedback_token: Optional[str] = None  # accepted by POST /v1/feedback only
     # Submitting and stopping read, change and write the jobs file: one at a time.
     jobs_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -90,7 +96,7 @@ def _answer(status: int):
 
 
 # The gateway's errors and their answers (documented per route below).
-EXCEPTION_HANDLERS = {StackUnavailable: _answer(503), MlflowNotFound: _answer(404)}
+EXCEPTION_HANDLERS = {StackUnavailable: _answer(503), MlflowNotFound: _answer(404), NotServed: _answer(404)}
 
 # ---------------------------------------------------------------- auth
 
@@ -98,25 +104,41 @@ bearer = HTTPBearer(auto_error=False, description="STREAMTUNE_API_TOKEN")
 Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(bearer)]
 
 
-def _check_token(token: Optional[str], creds: Optional[HTTPAuthorizationCredentials]) -> str:
-    if not token or creds is None or creds.scheme.lower() != "bearer" or \
-            not hmac.compare_digest(creds.credentials.encode(), token.encode()):
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-    return "token"
+def _matches(token: Optional[str], presented: str) -> bool:
+    return bool(token) and hmac.compare_digest(presented.encode(), token.encode())
+
+
+def _check_token(plane: ControlPlane, creds: Optional[HTTPAuthorizationCredentials], feedback: bool = False) -> str:
+    """The caller: "token" for the write token, "feedback-token" for the feedback token where
+    `feedback` allows it; 401 without a known token, 403 for the feedback token elsewhere."""
+    presented = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
+    if presented is not None and _matches(plane.token, presented):
+        return "token"
+    if presented is not None and _matches(plane.feedback_token, presented):
+        if feedback:
+            return "feedback-token"
+        raise HTTPException(403, "the feedback token is accepted by POST /v1/feedback only")
+    raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
 def require_write(plane: Plane, creds: Credentials) -> str:
-    """The caller (the actor in the promotion log); 401 without the token."""
-    return _check_token(plane.token, creds)
+    """The caller (the actor in the promotion log); 401 without the token, 403 for the feedback token."""
+    return _check_token(plane, creds)
 
 
 def require_read(plane: Plane, creds: Credentials) -> str:
     """The caller; 401 without the token when read auth is on."""
-    return _check_token(plane.token, creds) if plane.read_auth else "anonymous"
+    return _check_token(plane, creds) if plane.read_auth else "anonymous"
+
+
+def require_feedback(plane: Plane, creds: Credentials) -> str:
+    """The caller of POST /v1/feedback: the write token or the feedback token."""
+    return _check_token(plane, creds, feedback=True)
 
 
 Writer = Annotated[str, Depends(require_write)]
 Reader = Annotated[str, Depends(require_read)]
+FeedbackWriter = Annotated[str, Depends(require_feedback)]
 
 # ---------------------------------------------------------------- documented error answers
 
@@ -125,7 +147,8 @@ def _err(status: int, description: str) -> dict:
     return {status: {"model": ErrorBody, "description": description}}
 
 
-AUTH_ERR = _err(401, "missing or wrong bearer token")
+AUTH_ERR = {**_err(401, "missing or wrong bearer token"),
+            **_err(403, "the feedback token, which only POST /v1/feedback accepts")}
 STACK_ERR = _err(503, "the Flink cluster, Kafka or MLflow is not reachable or failed")
 NOT_FOUND = _err(404, "no such model")
 TOO_LARGE = _err(413, "request body or batch too large")
@@ -278,11 +301,21 @@ def promotion_log(model_id: ModelIdPath, actor: Reader, plane: Plane):
                               promotions=[Promotion.model_validate(e) for e in plane.promotions.entries(model_id)])
 
 
+@router.get("/v1/models/{model_id}/serving", response_model=ServingResponse,
+            responses={**AUTH_ERR, **_err(404, "the server does not serve that model"),
+                       **_err(503, "streamtune serve is not reachable at STREAMTUNE_SERVE_URL, or failed")})
+def serving(model_id: ModelIdPath, actor: Reader, plane: Plane):
+    """The inference server's split for the model, per-arm counters and online metrics, and the
+    rollback decisions it took: fetched from `streamtune serve` (STREAMTUNE_SERVE_URL) by the
+    control plane, so a browser needs no access to the server."""
+    return plane.gateway.serving(model_id)
+
+
 @router.post("/v1/feedback", status_code=202, response_model=FeedbackAccepted,
              responses={**AUTH_ERR, **BAD_BODY, **_err(404, "a model has no registered spec"), **TOO_LARGE,
                         **STACK_ERR})
 def feedback(body: Annotated[Union[FeedbackEvent, Annotated[list[FeedbackEvent], Field(min_length=1)]], Body()],
-             actor: Writer, plane: Plane):
+             actor: FeedbackWriter, plane: Plane):
     events = body if isinstance(body, list) else [body]
     if len(events) > plane.max_feedback_batch:
         raise HTTPException(413, f"{len(events)} events exceed the batch limit of {plane.max_feedback_batch}")

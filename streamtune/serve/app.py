@@ -6,6 +6,7 @@
 | POST   | /v1/chat/completions                  |        | the same through the base's chat template     |
 | GET    | /v1/models                            |        | served models, aliases, hot and refused versions |
 | PUT    | /v1/models/{model_id}/split           | bearer | the fraction of traffic sent to `candidate`   |
+| GET    | /v1/models/{model_id}/serving         |        | the split, per-arm counters, online metrics, decisions |
 | GET    | /v1/guard                             |        | online metrics per version, rollback decisions |
 | GET    | /healthz, /readyz                     |        | alive; caught up on the broadcasts            |
 | GET    | /metrics                              |        | Prometheus: requests, latency, swaps, refusals |
@@ -134,6 +135,10 @@ def create_app(served: ServedModels, token: Optional[str]) -> FastAPI:
     def set_split(model_id: str, body: SplitRequest):
         served.fractions[model_id] = body.candidate_fraction
         return {"model_id": model_id, "candidate_fraction": body.candidate_fraction}
+
+    @app.get("/v1/models/{model_id}/serving")
+    def serving(model_id: str):
+        return served.serving(model_id)
 
     @app.get("/v1/guard")
     def guard():

@@ -40,6 +40,9 @@ from core.messages import AliasMove, FeedbackSample, InferenceRecord
 
 log = logging.getLogger("streamtune.guard")
 
+# What the guard counts per (model, arm): responses in the inference log, judged feedback, by label.
+ARM_COUNTS = ("responses", "judged", "accepted", "corrected", "rejected", "unlabeled")
+
 
 @dataclass(frozen=True)
 class GuardSettings:
@@ -85,12 +88,16 @@ class OnlineGuard:
         self.decided: set[tuple[str, int, str]] = set()
         self.decisions: list[dict] = []
         self.counts = {"responses": 0, "feedback": 0, "judged": 0, "uncited": 0, "unknown_request": 0}
+        # (model_id, arm) -> responses logged and judged feedback by label, since the guard started
+        # reading (all time, unlike `stats`, which keeps the last `window` per version).
+        self.arms: dict[tuple[str, str], dict[str, int]] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     # -- input --------------------------------------------------------------------------
     def on_response(self, record: InferenceRecord) -> None:
         self.counts["responses"] += 1
+        self._arm(record.model_id, record.arm)["responses"] += 1
         self.requests[record.request_id] = (record.model_id, record.version, record.arm)
         while len(self.requests) > self.settings.remembered_requests:
             self.requests.popitem(last=False)
@@ -118,13 +125,19 @@ class OnlineGuard:
         return self._judge(sample)
 
     def _judge(self, sample: FeedbackSample) -> Optional[dict]:
-        model_id, version, _ = self.requests[sample.request_id]
+        model_id, version, arm = self.requests[sample.request_id]
+        counts = self._arm(model_id, arm)
+        counts["judged"] += 1
+        counts[sample.label or "unlabeled"] += 1
         if version is None:  # the base model answered: nothing to roll back
             self.counts["base"] = self.counts.get("base", 0) + 1
             return None
         self.counts["judged"] += 1
         self.stats.setdefault((model_id, version), ArmStats(self.settings.window)).add(sample.label == "accepted")
         return self.evaluate(model_id)
+
+    def _arm(self, model_id: str, arm: str) -> dict[str, int]:
+        return self.arms.setdefault((model_id, arm), dict.fromkeys(ARM_COUNTS, 0))
 
     # -- rules --------------------------------------------------------------------------
     def evaluate(self, model_id: str) -> Optional[dict]:

@@ -214,6 +214,53 @@ class ServedModels:
             log.warning("inference log: %s", e)
 
     # -- what is served -----------------------------------------------------------------
+    def serving(self, model_id: str) -> dict:
+        """The model's split and online metrics per arm: requests (this process, since it
+        started), responses and judged feedback (the guard, from the inference log and the
+        feedback topics), the acceptance over the guard's window per version, and the
+        rollback decisions taken for the model. ModelNotFound when the server knows nothing of it.
+        """
+        known = self.follower.models().get(model_id)
+        with self.pool.lock:
+            routes = dict(self.routes.get(model_id, {}))
+        if known is None and not routes:
+            raise ModelNotFound(f"{model_id} is not served here (known models: GET /v1/models)")
+        requests: dict[str, dict[str, int]] = {}  # arm -> requests (answered or not), errors
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                labels, n = sample.labels, int(sample.value)
+                # log_failed is counted besides the request's `ok`: the answer was served
+                if not sample.name.endswith("_total") or labels.get("model_id") != model_id or \
+                        labels["status"] == "log_failed":
+                    continue
+                counts = requests.setdefault(labels["arm"], {"requests": 0, "errors": 0})
+                counts["requests"] += n
+                counts["errors"] += 0 if labels["status"] == "ok" else n
+        g = self.guard
+        judged = {arm: dict(c) for (m, arm), c in dict(g.arms).items() if m == model_id} if g else {}
+        window = {v: st for (m, v), st in dict(g.stats).items() if m == model_id} if g else {}
+        arms = []
+        order = ["champion", "candidate", "pinned", "base"]
+        for arm in sorted(set(requests) | set(judged) | set(routes) & {"champion", "candidate"},
+                          key=lambda a: (order.index(a) if a in order else len(order), a)):
+            version = routes.get(arm)
+            row = {"arm": arm, "version": version, **requests.get(arm, {"requests": 0, "errors": 0})}
+            if g is not None:
+                c = judged.get(arm, {})
+                row.update({k: c.get(k, 0) for k in ("responses", "judged", "accepted", "corrected", "rejected")})
+                n = row["judged"]
+                row["acceptance"] = round(row["accepted"] / n, 4) if n else None
+                row["correction_rate"] = round(row["corrected"] / n, 4) if n else None
+                st = window.get(version) if version is not None else None
+                row["window_events"] = st.events if st else 0
+                row["window_acceptance"] = round(st.acceptance, 4) if st and st.events else None
+            arms.append(row)
+        guard = {"enabled": g is not None}
+        if g is not None:
+            guard.update(margin=g.settings.margin, min_events=g.settings.min_events, window=g.settings.window)
+        return {"model_id": model_id, "candidate_fraction": self.fraction(model_id), "aliases": routes,
+                "registry_aliases": (known or {}).get("aliases", {}), "arms": arms, "guard": guard,
+                "decisions": [d for d in list(g.decisions) if d["model_id"] == model_id] if g else []}
     def describe(self) -> list[dict]:
         known = self.follower.models()
         hot = set(self.pool.hot())

@@ -127,6 +127,112 @@ function drawLossCurve(versions) {
   }
 }
 
+const num = (x, digits) => (x == null ? "–" : Number(x).toFixed(digits));
+const pct = (x) => (x == null ? "–" : (100 * x).toFixed(1) + "%");
+
+function el(tag, text, className) {
+  const e = document.createElement(tag);
+  if (text != null) e.textContent = text;
+  if (className) e.className = className;
+  return e;
+}
+
+// The promotion gate's decision on a version (from its MLflow tags), and the serving guard's
+// rollback decision on it if there was one.
+function gateCell(v) {
+  const div = el("div");
+  if (v.gate) {
+    div.appendChild(el("span", v.gate.decision, "tag " + v.gate.decision));
+    if (v.gate.rule) div.appendChild(el("span", ` rule ${v.gate.rule}` + (v.gate.metric ? `, ${v.gate.metric}` : ""),
+                                        "muted"));
+    if (v.gate.reason) div.appendChild(el("div", v.gate.reason, "reason"));
+  } else {
+    div.appendChild(el("span", "no gate (loss rule)", "muted"));
+  }
+  if (v.rollback) {
+    const r = v.rollback;
+    const d = el("div", null, "reason");
+    d.appendChild(el("span", "rolled back", "tag rollback"));
+    d.appendChild(document.createTextNode(` ${r.decision}: ` + Object.entries(r)
+      .filter(([k]) => !["ts", "model_id", "version", "decision"].includes(k)).map(([k, x]) => `${k} ${x}`).join(", ")));
+    div.appendChild(d);
+  }
+  return div;
+}
+
+// Eval scores per set: the version / the champion on the same samples.
+function evalCell(v) {
+  if (!v.gate || !v.gate.sets.length) return "";
+  const t = el("table", null, "eval");
+  const head = el("tr");
+  for (const h of ["set", "n", "exact match", "loss", ""]) head.appendChild(el("th", h));
+  t.appendChild(head);
+  for (const s of v.gate.sets) {
+    const tr = el("tr");
+    tr.dataset.set = s.name;
+    tr.appendChild(el("td", s.name));
+    tr.appendChild(el("td", s.size));
+    tr.appendChild(el("td", `${num(s.exact_match, 2)} / ${num(s.champion_exact_match, 2)}`
+                            + (s.forgotten != null ? ` (forgot ${num(s.forgotten, 2)})` : "")));
+    tr.appendChild(el("td", `${num(s.loss, 3)} / ${num(s.champion_loss, 3)}`));
+    tr.appendChild(s.passed == null ? el("td") : el("td", (s.passed ? "passed" : "failed") + ` (tol ${s.tolerance})`,
+                                                    s.passed ? "pass" : "fail"));
+    t.appendChild(tr);
+  }
+  return t;
+}
+
+// The inference server's split and online metrics for the model (GET /v1/models/{id}/serving,
+// fetched by the API from streamtune serve). No server, or one that does not serve the model,
+// is said in the panel: it is a state, not a failed action.
+async function refreshServing(model) {
+  let s;
+  try {
+    s = await api("GET", `/v1/models/${model}/serving`);
+  } catch (e) {
+    $("#serving").hidden = true;
+    $("#serving-error").hidden = false;
+    $("#serving-error").textContent = String(e.message || e);
+    return;
+  }
+  $("#serving").hidden = false;
+  $("#serving-error").hidden = true;
+  const a = s.aliases;
+  const split = a.candidate != null && a.candidate !== a.champion
+    ? `${pct(1 - s.candidate_fraction)} to champion v${a.champion}, ${pct(s.candidate_fraction)} to candidate `
+      + `v${a.candidate}`
+    : `all traffic to champion ${a.champion != null ? "v" + a.champion : "(none yet)"}`
+      + ` (candidate fraction ${pct(s.candidate_fraction)}, used once a candidate differs from the champion)`;
+  $("#serving-split").textContent = `${split} · server ${s.serve_url}`;
+  const body = $("#serving-arms tbody");
+  body.replaceChildren();
+  for (const r of s.arms) {
+    const tr = el("tr");
+    tr.dataset.arm = r.arm;
+    for (const x of [r.arm, r.version != null ? "v" + r.version : "", r.requests, r.errors, r.responses, r.judged,
+                     r.accepted, r.corrected, r.rejected, pct(r.acceptance), pct(r.correction_rate),
+                     r.window_events ? `${pct(r.window_acceptance)} over ${r.window_events}` : "–"]) {
+      cell(tr, x ?? "–");
+    }
+    body.appendChild(tr);
+  }
+  const g = s.guard;
+  $("#serving-guard").textContent = g.enabled
+    ? `Rollback guard on: acts when an arm's acceptance is below the other's by more than ${g.margin}, with at `
+      + `least ${g.min_events} judged responses on each side (window ${g.window}).`
+    : "Rollback guard off on this server (--no-auto-rollback).";
+  const decisions = $("#serving-decisions");
+  decisions.replaceChildren();
+  for (const d of s.decisions) {
+    const numbers = Object.entries(d).filter(([k]) => !["ts", "model_id", "version", "decision"].includes(k))
+      .map(([k, x]) => `${k} ${x}`).join(", ");
+    const p = el("p", null, "decision");
+    p.appendChild(el("span", d.decision, "tag rollback"));
+    p.appendChild(document.createTextNode(` v${d.version} at ${new Date(d.ts).toISOString()}: ${numbers}`));
+    decisions.appendChild(p);
+  }
+}
+
 async function refreshModel() {
   $("#model").hidden = selected === null;
   if (selected === null) return;
@@ -146,12 +252,15 @@ async function refreshModel() {
     cell(tr, v.version); cell(tr, v.seq); cell(tr, tags(v.aliases)); cell(tr, v.samples);
     cell(tr, v.loss_after != null ? v.loss_after.toFixed(4) : "");
     cell(tr, v.window_end ? new Date(v.window_end).toISOString() : "");
+    cell(tr, gateCell(v)).className = "gate";
+    cell(tr, evalCell(v)).className = "eval-scores";
     cell(tr, v.aliases.includes("champion") ? "" : button("Promote", () =>
       api("POST", `/v1/models/${selected}/aliases`, {alias: "champion", version: v.version})));
     body.appendChild(tr);
   }
   drawLossCurve(versions);
   $("#rollback").disabled = !versions.some((v) => championVersion !== null && v.version < championVersion);
+  await refreshServing(selected);
   const letters = await api("GET", `/v1/pipelines/${selected}/dlq?limit=100`);
   const dlq = $("#dlq tbody");
   dlq.replaceChildren();

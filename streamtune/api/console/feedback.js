@@ -2,7 +2,7 @@
 // to the control plane's POST /v1/feedback in batches, retried with backoff, flushed when the
 // page is hidden. Copy-paste:
 //
-//   <script src="https://API/feedback.js" data-api="https://API" data-token="TOKEN"></script>
+//   <script src="https://API/feedback.js" data-api="https://API" data-token="FEEDBACK_TOKEN"></script>
 //   <script>
 //     // r: the JSON of a streamtune serve answer (its `id` and `model`), prompt: what was asked
 //     streamtune.click(r, prompt);                       // the user took the answer
@@ -10,8 +10,9 @@
 //     streamtune.correction(r, prompt, editedText);      // what they changed it to
 //   </script>
 //
-// The page holds the token: give it one meant for feedback, and allow the page's origin
-// with STREAMTUNE_API_CORS_ORIGINS on the API. Events wait in memory (at most 1000); each
+// The page holds the token: give it the API's feedback token (STREAMTUNE_API_FEEDBACK_TOKEN),
+// which POST /v1/feedback accepts and every other call refuses (403), and allow the page's
+// origin with STREAMTUNE_API_CORS_ORIGINS on the API. Events wait in memory (at most 1000); each
 // batch is at most 100 events (the API's default limit is 500); a failed batch is retried
 // after 1 s, doubling to 30 s; a 4xx answer other than 408/429 drops the batch and logs why.
 (function () {
