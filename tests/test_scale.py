@@ -91,8 +91,10 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
         "--checkpoint-interval-ms", "1000", "--no-register", "--job-name", f"scale-{name}-{workload['u']}"))
     try:
         if live:
-            # The stream starts once the trainers run (they have read every config).
-            wait_for(lambda: records_read(stack_config, job, "lora-trainer") >= len(workload["models"]), 180,
+            # The stream starts once every subtask runs (its Python worker started; on two
+            # loaded cores that takes minutes) and the trainers have read every config.
+            wait_for(lambda: _all_subtasks_running(stack_config, job), 400, "every subtask to run", interval=1)
+            wait_for(lambda: records_read(stack_config, job, "lora-trainer") >= len(workload["models"]), 120,
                      "the configs at the trainers", interval=0.5)
             produce.start()
         if during:
@@ -218,6 +220,15 @@ def test_taskmanager_killed_mid_stream_at_parallelism_4_gives_the_same_versions(
     assert landed["producing"] and landed["received"] < len(workload["records"]), "the kill fell mid-stream"
     assert_each_sample_once(run, workload)
     assert fingerprint(run) == fingerprint(request.getfixturevalue("reference")), "the same versions after the restore"
+
+
+def _all_subtasks_running(stack_config, job: str) -> bool:
+    rest = stack_config.flink_rest_url
+    for vertex in requests.get(f"{rest}/jobs/{job}", timeout=5).json()["vertices"]:
+        subtasks = requests.get(f"{rest}/jobs/{job}/vertices/{vertex['id']}", timeout=5).json()["subtasks"]
+        if any(s["status"] != "RUNNING" for s in subtasks):
+            return False
+    return True
 
 
 def _latest_checkpoint_ms(stack_config, job: str) -> int:

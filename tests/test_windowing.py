@@ -1,6 +1,6 @@
-"""Window arithmetic, carry-over and the early-fire cap (operators/windowing.py)."""
+"""Window arithmetic, carry-over and the step-size cap (operators/windowing.py)."""
 
-from operators.windowing import Pending, capped_batch, due_batch, offset_ranges, window_end, window_start
+from operators.windowing import Pending, due_batch, offset_ranges, steps, window_end, window_start
 
 
 def sample(ts, offset, partition=0):
@@ -25,11 +25,11 @@ def test_samples_after_the_window_end_stay():
     assert [s.offset for s in batch] == [0] and [s.offset for s in rest] == [1]
 
 
-def test_cap_takes_the_oldest_in_source_order():
-    pending = [sample(300, 3), sample(100, 1), sample(200, 2)]
-    assert capped_batch(pending, 4) == (None, pending)
-    batch, rest = capped_batch(pending, 2)
-    assert [s.offset for s in batch] == [1, 2] and [s.offset for s in rest] == [3]
+def test_a_window_above_the_cap_trains_in_steps_in_source_order():
+    pending = [sample(300, 3), sample(100, 1), sample(200, 2), sample(50, 7, partition=1)]
+    batch, rest = due_batch(pending, 2000, min_samples=1)
+    assert [[s.offset for s in step] for step in steps(batch, 4)] == [[7, 1, 2, 3]]
+    assert [[s.offset for s in step] for step in steps(batch, 3)] == [[7, 1, 2], [3]]
 
 
 def test_lineage_ranges_per_partition():
