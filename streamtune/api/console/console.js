@@ -218,8 +218,9 @@ async function refreshServing(model) {
   }
   const g = s.guard;
   $("#serving-guard").textContent = g.enabled
-    ? `Rollback guard on: acts when an arm's acceptance is below the other's by more than ${g.margin}, with at `
-      + `least ${g.min_events} judged responses on each side (window ${g.window}).`
+    ? `Rollback guard on: it takes the candidate out when its acceptance is below the champion's by more than `
+      + `${g.margin}, and rolls a new champion back when it falls that far below its predecessor; each side needs `
+      + `${g.min_events} judged responses (window ${g.window}).`
     : "Rollback guard off on this server (--no-auto-rollback).";
   const decisions = $("#serving-decisions");
   decisions.replaceChildren();
