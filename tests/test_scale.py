@@ -69,7 +69,7 @@ def workload():
 
 
 def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism: int, live: bool,
-            during=None) -> dict:
+            during=None, per_second: float = 40) -> dict:
     """The training job over the workload at `parallelism`, from a topic of its own: produced
     before the job starts, or `live` while it runs; its versions per model (by seq) once every
     sample is in one. `during(job_id, topics, producer_thread)` runs while the job trains."""
@@ -83,7 +83,7 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
         send_config(boot, topics["configs"], spec(m, topics, min_samples=5, window_seconds=2,
                                                   max_samples=MAX_STEP), T0 - 1000)
     produce = threading.Thread(target=produce_partitioned, daemon=True, args=(
-        boot, topics["feedback"], workload["records"], PARTITIONS, 40 if live else None))
+        boot, topics["feedback"], workload["records"], PARTITIONS, per_second if live else None))
     if not live:
         produce.run()
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
@@ -216,7 +216,9 @@ def test_taskmanager_killed_mid_stream_at_parallelism_4_gives_the_same_versions(
         landed["received"] = received
         wait_for(lambda: _restarted_from_checkpoint(stack_config, job), 180, "the job to restore a checkpoint")
 
-    run = run_job(stack_config, base_model, tmp_path, workload, "p4kill", PARTITIONS, live=True, during=kill_one)
+    # A slower stream (about 30 s): the kill must fall while it still flows, on two loaded cores.
+    run = run_job(stack_config, base_model, tmp_path, workload, "p4kill", PARTITIONS, live=True, during=kill_one,
+                  per_second=15)
     assert landed["producing"] and landed["received"] < len(workload["records"]), "the kill fell mid-stream"
     assert_each_sample_once(run, workload)
     assert fingerprint(run) == fingerprint(request.getfixturevalue("reference")), "the same versions after the restore"
