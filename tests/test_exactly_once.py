@@ -139,7 +139,7 @@ def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_mo
     the restored job has read its backlog (which holds the config)."""
     from core.messages import DeadLetter
 
-    boot, grace_s = stack_config.kafka_bootstrap, 10
+    boot, grace_s = stack_config.kafka_bootstrap, 30  # the first version comes on the idle timer: not 10
     topics = job_topics(boot, f"test.grace-{unique}")
     known, late = f"known-{unique}", f"late-{unique}"
     send_config(boot, topics["configs"], spec(known, topics, min_samples=1), T0)
@@ -147,13 +147,15 @@ def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_mo
     held_closer = digit_samples(late, digit_pairs(1, seed=6), T0 + 10 * WINDOW_MS, 1, id_prefix="held-closer")
     # The known model's samples come after the held ones in the same partition: its committed
     # version proves a checkpoint holding the held samples in the trainer's state completed.
-    # Each model's later sample closes its first window (their own data, not the watermark).
     marker = digit_samples(known, digit_pairs(2, seed=7), T0 + 200, 1000)
     marker_closer = digit_samples(known, digit_pairs(1, seed=8), T0 + 10 * WINDOW_MS, 1, id_prefix="closer")
     send_samples(boot, topics["feedback"], held + marker + held_closer + marker_closer)
     job = LocalJob(job_args(topics, base_model, tmp_path / "adapters", "--bootstrap", boot,
                             "--checkpoint-interval-ms", "1000", "--unknown-model-grace-seconds", str(grace_s),
-                            "--no-register", "--job-name", f"grace-{unique}"),
+                            # A small backlog leaves the watermark held (README): windows close on
+                            # the idle timer, here window_seconds after a model's last sample, well
+                            # inside the grace period.
+                            "--idle-close-ms", "0", "--no-register", "--job-name", f"grace-{unique}"),
                    tmp_path / "checkpoints", tmp_path / "job.log")
     job.start()
     try:
