@@ -21,7 +21,7 @@ from operators.lora_trainer import LoraTrainer
 from operators.quality import Kept
 from operators.windowing import Pending
 from streamtune.conflicting_tasks import digits_of, task_a, task_b
-from streamtune import testing
+from streamtune.testing import KeyedTimers, trainer_function
 from streamtune.tinymodel import build_tiny_llama, digit_pairs
 
 WINDOW = 64
@@ -31,11 +31,6 @@ WINDOW = 64
 def base(tmp_path_factory):
     torch.set_num_threads(1)
     return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
-
-
-def trainer_function(base: str, store_dir):
-    """The job's trainer with its keyed state in variables (one model): its _fire, no Flink."""
-    return testing.trainer_function(base, store_dir)
 
 
 def quality_spec(model_id: str, **sections) -> FinetuneSpec:
@@ -197,7 +192,7 @@ def test_retracted_rows_leave_eval_sets_and_replay_buffer(base, tmp_path):
     newer = pendings([("x=0000;y=", "1111")], "new", 5000, row_keys=True)[0]
     newer_payload = FeedbackSample.from_json(newer.payload).model_copy(update={
         "origin": ChangeOrigin(row_key=changed.row_key, op="u", table="t")})
-    list(fn.process_element(("sample", "cdc", newer_payload.to_json(), "feedback", 0, 5000, 10 ** 6), testing.KeyedTimers("cdc")))
+    list(fn.process_element(("sample", "cdc", newer_payload.to_json(), "feedback", 0, 5000, 10 ** 6), KeyedTimers("cdc")))
     assert changed.row_key not in {s.row_key for s in fn.quality.value().replay}
     assert [p.row_key for p in fn.pending.value()] == [changed.row_key]
 
