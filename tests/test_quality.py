@@ -71,8 +71,7 @@ def run(stack_config, base_model, tmp_path_factory):
                      + windows(plain, b[:1], b_end + B2_WINDOWS, "closer"))
     replay_samples = (windows(replay, a, 0, "a") + windows(replay, b, A_WINDOWS, "b")
                       + windows(replay, b[:1], A_WINDOWS + REPLAY_B_WINDOWS, "closer"))
-    # In event-time order, as a live stream would be: a model's windows close on its own
-    # samples or the watermark, never on another model's backlog running ahead.
+    # In event-time order, as a live stream would be.
     ordered = sorted(plain_samples + replay_samples, key=lambda s: s.ts)
     cut = T0 + b_end * WINDOW_MS  # everything before plain's first window under the update, and one sample
     first = [s for s in ordered if s.ts < cut] + [s for s in ordered if s.ts >= cut][:1]
@@ -96,6 +95,10 @@ def run(stack_config, base_model, tmp_path_factory):
         # The update must follow the samples already sent (configs travel on their own topic).
         wait_for(lambda: records_read(stack_config, job, "lora-trainer") >= read, 180,
                  "the trainer to read the first samples", interval=0.5)
+        # Windows close on the watermark (or the idle timer), not on a sample's arrival: the
+        # update goes out once every window before `cut` has been trained under the old spec.
+        wait_for_records(bs, topics["versions"], VersionRecord, b_end, timeout=240,
+                         predicate=lambda v: v.model_id == plain)
         send_config(bs, topics["configs"], loosened, T0 + 1)
         wait_for(lambda: records_read(stack_config, job, "lora-trainer") >= read + 1, 60,
                  "the trainer to read the update", interval=0.5)
