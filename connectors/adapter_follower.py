@@ -4,10 +4,12 @@ Two sources, each for what it is the truth of:
 - the durable broadcast topics (every job's `*adapter-versions`, read from the beginning):
   which versions exist, with their artifact URI and sha256. A process that starts late or
   restarts catches up on all of them before it calls itself ready;
-- MLflow's registered-model aliases, polled every `alias_poll_s` (0.25 s): where `champion`
-  and `candidate` point, whoever moved them (the job's registration, the control plane, or a
-  person in the MLflow UI). A move announced on the alias-moves topic (core.messages.AliasMove,
-  sent by the control plane and the rollback guard) makes it read that model at once.
+- MLflow's registered-model aliases, polled every `alias_poll_s` (0.25 s) on a thread of
+  their own: where `champion` and `candidate` point, whoever moved them (the job's
+  registration, the control plane, or a person in the MLflow UI). A move announced on the
+  alias-moves topic (core.messages.AliasMove, sent by the control plane and the rollback
+  guard) makes it read that model at once. With hundreds of registered models one full poll
+  takes a good part of a second: broadcasts and announced moves never wait behind it.
 
 The follower calls `on_alias(model_id, alias, version)` when an alias moves to a version it
 knows (or, later, when the version's broadcast arrives), with version None when the alias
@@ -59,14 +61,16 @@ class AdapterFollower:
         self.on_alias = on_alias
         self.store = ArtifactStore(settings.artifact_store, settings.tracking_uri)
         self._lock = threading.Lock()
+        self._apply_lock = threading.Lock()  # two threads apply moves: acknowledged in order
         self._versions: dict[str, dict[int, AdapterVersionBroadcast]] = {}
         self._aliases: dict[str, dict[str, int]] = {}        # as last applied
         self._wanted: dict[str, dict[str, int]] = {}         # as MLflow says, maybe not yet broadcast
+        self._read_at: dict[str, float] = {}                 # when the read behind _wanted began
         self._caught_up = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._poller: Optional[threading.Thread] = None
         self.errors: list[str] = []                          # the last few, for /readyz and logs
-        self.last_alias_poll: float = 0.0
 
     # -- what is known ------------------------------------------------------------------
     def version(self, model_id: str, version: int) -> Optional[AdapterVersionBroadcast]:
@@ -98,12 +102,26 @@ class AdapterFollower:
     def start(self) -> "AdapterFollower":
         self._thread = threading.Thread(target=self._run, name="adapter-follower", daemon=True)
         self._thread.start()
+        if self.settings.tracking_uri:
+            self._poller = threading.Thread(target=self._poll_loop, name="alias-poller", daemon=True)
+            self._poller.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._poller):
+            if thread is not None:
+                thread.join(timeout=10)
+
+    def _poll_loop(self) -> None:
+        """Moves made in MLflow directly (no hint on the topic): the registry read in full."""
+        while not self._stop.wait(self.settings.alias_poll_s):
+            if not self._caught_up.is_set():
+                continue  # the catch-up reads the registry itself before it says ready
+            try:
+                self._poll_aliases()
+            except Exception as e:  # the registry is down a while: keep serving what is applied
+                self._error(f"follower: alias poll: {e}")
 
     def _run(self) -> None:
         from connectors.kafka import create_topic, follow_topics
@@ -125,8 +143,6 @@ class AdapterFollower:
             now = time.monotonic()
             if not got_records and idle_since[0] is None:
                 idle_since[0] = now
-            if self.settings.tracking_uri and now - self.last_alias_poll >= self.settings.alias_poll_s:
-                self._poll_aliases()
             if not self._caught_up.is_set() and idle_since[0] is not None and now - idle_since[0] >= 0.5:
                 if self.settings.tracking_uri:
                     self._poll_aliases()  # the registry's word, not the broadcasts', before ready
@@ -183,18 +199,21 @@ class AdapterFollower:
         from mlflow import MlflowClient
 
         client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
+        started = time.monotonic()
         aliases = client.get_registered_model(model_id).aliases or {}
         with self._lock:
+            if started < self._read_at.get(model_id, 0.0):
+                return  # a read begun later has been applied already
+            self._read_at[model_id] = started
             self._wanted[model_id] = {a: int(v) for a, v in aliases.items() if a in FOLLOWED_ALIASES}
         self._apply(model_id)
 
     def _poll_aliases(self) -> None:
         from mlflow import MlflowClient
 
-        self.last_alias_poll = time.monotonic()
         client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
         found: dict[str, dict[str, int]] = {}
-        token = None
+        started, token = time.monotonic(), None
         while True:
             page = client.search_registered_models(max_results=1000, page_token=token)
             for rm in page:
@@ -203,14 +222,22 @@ class AdapterFollower:
             if not token:
                 break
         with self._lock:
-            changed = [m for m in set(found) | set(self._wanted) if found.get(m, {}) != self._wanted.get(m, {})]
+            # A model read after this poll began (on a hint) keeps that newer read: applying
+            # this one would move its alias back until the next poll.
+            changed = [m for m in set(found) | set(self._wanted) if found.get(m, {}) != self._wanted.get(m, {})
+                       and started >= self._read_at.get(m, 0.0)]
             for m in changed:
+                self._read_at[m] = started
                 self._wanted[m] = found.get(m, {})
         for m in changed:
             self._apply(m)
 
     def _apply(self, model_id: str) -> None:
         """Move the applied aliases to where they are wanted, once the version is known."""
+        with self._apply_lock:
+            self._apply_locked(model_id)
+
+    def _apply_locked(self, model_id: str) -> None:
         moves = []
         with self._lock:
             applied = self._aliases.setdefault(model_id, {})

@@ -178,7 +178,7 @@ def broadcast_for(record: VersionRecord, mv: ModelVersion) -> AdapterVersionBroa
     return AdapterVersionBroadcast(
         version_id=record.version_id, model_id=record.model_id, seq=record.seq, mlflow_version=int(mv.version),
         model_uri=f"models:/{record.model_id}/{mv.version}", sha256=record.sha256,
-        artifact_uri=record.artifact_uri, aliases=sorted(mv.aliases))
+        artifact_uri=record.artifact_uri, aliases=sorted(mv.aliases), registered_at=mv.creation_timestamp)
 
 
 def _quote(value: str) -> str:

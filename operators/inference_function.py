@@ -3,9 +3,11 @@
 The broadcast side reads the adapter-versions topic (core.messages.AdapterVersionBroadcast:
 a version exists, and where its aliases pointed when it was registered) and the alias-moves
 topic (core.messages.AliasMove: a promotion, a rollback, a deleted alias). The broadcast state
-holds, per model, the versions known and each alias with the time of the record that set
-it; the newest record wins, so the two topics may be read in any interleaving (a restore
-reads them again) and end in the same routes. A request
+holds, per model, the versions known and each alias with the time of the message that set
+it (a broadcast's `registered_at`, a move's `ts`: wall clocks both); the newest wins, so the
+two topics may be read in any interleaving (a restore reads them again) and end in the same
+routes. Record timestamps are no clock for this: versions carry event time, or wall time
+when a model's idle timer closed their window. A request
 (core.messages request JSON: request_id, model, prompt, max_tokens) is answered by the
 version its `model` names (`<model_id>`, `<model_id>@<alias>`, `<model_id>/<version>`, or
 `base`) with the same adapter pool as `streamtune serve`, in this worker's memory.
@@ -65,8 +67,9 @@ class InferenceFunction(KeyedBroadcastProcessFunction):
             routes["versions"][str(update.mlflow_version)] = {
                 "artifact_uri": update.artifact_uri, "sha256": update.sha256, "version_id": update.version_id}
             moves = [(alias, update.mlflow_version) for alias in update.aliases]
+            ts = update.registered_at if update.registered_at is not None else ts  # older broadcasts: the record's
         else:
-            moves = [(update.alias, update.version)]
+            moves, ts = [(update.alias, update.version)], update.ts
         for alias, version in moves:
             if ts >= routes["alias_ts"].get(alias, -1):  # the newest record that sets an alias wins
                 routes["alias_ts"][alias] = ts

@@ -103,7 +103,8 @@ CREATE TEMPORARY TABLE versions (
 
 -- The registrar's broadcast (core.messages.AdapterVersionBroadcast): one record per adapter
 -- version registered in MLflow, when inference can load it. Event time: the Kafka record
--- timestamp, i.e. when it was published.
+-- timestamp, which the job gives its versions: the window's end in event time, or the wall
+-- time when a quiet model's idle timer closed the window. registered_at is the registry's clock.
 CREATE TEMPORARY TABLE adapter_versions (
   version_id STRING,
   model_id STRING,
@@ -113,6 +114,7 @@ CREATE TEMPORARY TABLE adapter_versions (
   sha256 STRING,
   artifact_uri STRING,
   aliases ARRAY<STRING>,
+  registered_at BIGINT COMMENT 'epoch ms: when MLflow created the version',
   published_at TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
   WATERMARK FOR published_at AS published_at - INTERVAL '${lateness_seconds}' SECOND
 ) WITH (

@@ -143,13 +143,18 @@ def trained(stack_config, base_model, tmp_path_factory):
         samples = digit_samples(model_id, digit_pairs(VERSIONS * PER_WINDOW, seed=3), t0, WINDOW_MS / PER_WINDOW)
         closer = digit_samples(model_id, digit_pairs(1, seed=4), t0 + (VERSIONS + 2) * WINDOW_MS, 1, "closer")
         # The first window alone, so the load starts on version 1 and runs through the other 19.
-        send_samples(boot, topics["feedback"], samples[:PER_WINDOW + 1])
+        # Nothing moves the watermark past it yet: the idle timer closes it (window_seconds + 5 s).
+        # A sample of window 2 sent with it would be carried past window 2 by that idle close.
+        send_samples(boot, topics["feedback"], samples[:PER_WINDOW])
         wait_for(lambda: server.model(model_id)["aliases"].get("champion"), 180, "the first champion on server A")
         clients = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(4)]
         for c in clients:
             c.start()
-        for w in range(1, VERSIONS):  # a window every second of wall time, under load
-            send_samples(boot, topics["feedback"], samples[w * PER_WINDOW + 1:(w + 1) * PER_WINDOW + 1])
+        sent = PER_WINDOW
+        for w in range(1, VERSIONS):  # a window every second of wall time, under load, with the
+            # next window's first sample, whose timestamp moves the watermark past this one
+            send_samples(boot, topics["feedback"], samples[sent:(w + 1) * PER_WINDOW + 1])
+            sent = (w + 1) * PER_WINDOW + 1
             time.sleep(1.0)
         send_samples(boot, topics["feedback"], closer)
         broadcasts = wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, VERSIONS, 240)
@@ -227,6 +232,7 @@ def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trai
             for name, s in (("A", server_a), ("B", server_b)):
                 if name not in followed and s.model(model_id)["aliases"].get("champion") == previous:
                     followed[name] = time.monotonic() - moved_at
+            time.sleep(0.02)  # the two servers on this machine's two cores are the subject: not a busy loop
         print(f"champion v{champion} -> v{previous} followed after {followed}")
         assert set(followed) == {"A", "B"} and max(followed.values()) <= 1.0, followed
         for s in (server_a, server_b):

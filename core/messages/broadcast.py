@@ -13,6 +13,8 @@ are idempotent by version_id.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from pydantic import Field
 
 from core.messages.base import MODEL_ID, Message
@@ -27,3 +29,7 @@ class AdapterVersionBroadcast(Message):
     sha256: str
     artifact_uri: str                    # the artifact store URI, as in the version record
     aliases: list[str]
+    # When the registry created the version (ms), the time its `aliases` hold as of: readers
+    # that merge broadcasts with alias moves order by it, never by the record's timestamp
+    # (the job stamps versions in event time, or wall time when an idle timer closed them).
+    registered_at: Optional[int] = None
