@@ -286,13 +286,16 @@ class FinetuneFunction(KeyedProcessFunction):
             return
         self.counters.inc("windows_closed_idle")
         yield from self._close_windows(ctx, spec, cfg, window_end(max(s.ts for s in pending),
-                                                                  spec.trigger_policy.window_seconds))
+                                                                  spec.trigger_policy.window_seconds), idle=True)
 
-    def _close_windows(self, ctx, spec: FinetuneSpec, cfg: dict, up_to: int):
+    def _close_windows(self, ctx, spec: FinetuneSpec, cfg: dict, up_to: int, idle: bool = False):
         """Close every window ending at or before `up_to`: fire it, or carry its samples over.
 
         Windows holding no pending sample are skipped, and once only carried-over samples
-        remain the loop stops: nothing can change for them until new samples arrive.
+        remain the loop stops: nothing can change for them until new samples arrive. The idle
+        timer (`idle`) closes the last window only if it fires: one too small to train stays
+        open (the watermark has not passed it), so its later samples still join it rather
+        than arriving late for a window that trained nothing.
         """
         model_id, size = ctx.get_current_key(), spec.trigger_policy.window_seconds
         pending, end = self.pending.value() or [], self.timer.value()
@@ -303,9 +306,11 @@ class FinetuneFunction(KeyedProcessFunction):
                 for chunk in chunks:
                     yield from self._fire(model_id, spec, cfg, chunk, end, "max_samples" if len(chunks) > 1 else "window")
             newer = [s.ts for s in pending if s.ts >= end]
-            end = window_end(min(newer) if newer else end, size)
             if not newer:
+                if batch or not idle:
+                    end = window_end(end, size)
                 break
+            end = window_end(min(newer), size)
         self.pending.update(pending)
         if pending:
             self.timer.update(end)

@@ -255,9 +255,13 @@ def test_a_model_whose_data_stops_gets_its_last_version_within_the_bound(stack_c
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, tmp_path, "--bootstrap", boot, "--checkpoint-interval-ms", "1000", "--no-register",
         "--idle-close-ms", "3000", "--job-name", f"quiet-{unique}"))
-    window_s, idle_s, checkpoint_s = 2, 3, 1
+    window_s, idle_s, checkpoint_s = 4, 3, 1
     try:
         wait_for(lambda: job_state(stack_config, job) == "RUNNING", 120, "the job to run", interval=0.5)
+        # Start on a window's first millisecond: the 12 samples (about 1.5 s) fall in one
+        # window. Split over two, the second could hold fewer than min_samples and wait
+        # (carried) for data that never comes.
+        time.sleep((window_s * 1000 - int(time.time() * 1000) % (window_s * 1000)) / 1000)
         now = int(time.time() * 1000)
         send_config(boot, topics["configs"], spec(model_id, topics, min_samples=4, window_seconds=window_s), now)
         samples = digit_samples(model_id, digit_pairs(12, seed=5), now, 100, id_prefix="live-")

@@ -102,6 +102,32 @@ def test_a_quiet_models_windows_close_on_the_idle_timer(base, tmp_path):
     assert fn.counters.counts["windows_closed_idle"] == 1 and fn.pending.value() == []
 
 
+def test_an_idle_close_that_trains_nothing_leaves_the_window_open(base, tmp_path):
+    """One sample (below min_samples) when the model goes quiet: the idle close carries it and
+    keeps its window open, so the window's later samples join it, not a later window."""
+    fn, ctx = trainer_function(base, tmp_path, idle_close_ms=5000), KeyedTimers("late", now_ms=10_000)
+    spec = window_spec("late")
+    first, *rest = [r for part in partitioned_records("late", 6, span_ms=900) for r in part]
+    first = first[:4] + (0,) + first[5:]  # all on partition 0, in timestamp order
+    assert run(fn, ctx, spec, [first]) == []
+    ctx.domain = TimeDomain.PROCESSING_TIME
+    ctx.now_ms += 1000 + 5000
+    assert [r for t in ctx.due_processing_timers() for r in fn.on_timer(t, ctx)] == []
+    assert fn.counters.counts["windows_closed_idle"] == 1 and len(fn.pending.value()) == 1
+    later = sorted(rest, key=lambda r: r[6])
+    moved = FeedbackSample(model_id="late", sample_id="next", prompt="x=1;y=", completion="1", ts=T0 + 1500)
+    mover = ("sample", "late", moved.to_json(), "feedback", 0, 99, T0 + 1500)  # the next window's: the watermark moves
+    out = []
+    for record in later + [mover]:
+        out += fn.process_element(record[:4] + (0,) + record[5:], ctx)
+        ctx.domain = TimeDomain.EVENT_TIME
+        for t in ctx.due_event_timers(record[6] - 1):
+            out += fn.on_timer(t, ctx)
+    versions = [VersionRecord.from_json(r) for r in out if isinstance(r, str)]
+    assert [(v.window_end, sorted(v.lineage.sample_ids)) for v in versions] == [
+        (T0 + 1000, [f"s{i}" for i in range(6)])]
+
+
 def test_a_sample_arriving_rearms_the_idle_timer(base, tmp_path):
     fn, ctx = trainer_function(base, tmp_path, idle_close_ms=5000), KeyedTimers("busy", now_ms=10_000)
     spec = window_spec("busy")
