@@ -196,6 +196,7 @@ def test_cli_errors_from_the_api_exit_2_on_stderr(start_api, unique, tmp_path):
     assert "501" in line, line
 
 
+@pytest.mark.slow  # a minute; in CI the same life cycle runs through HTTP (test_api.py end to end)
 def test_cli_drives_a_model_through_its_life_cycle_on_the_cluster(stack_config, start_api, unique, tmp_path):
     """submit, status, versions, promote, stop: each a CLI process against `streamtune api` on
     the local Flink cluster; feedback from a plain Kafka producer."""

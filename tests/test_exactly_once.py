@@ -133,6 +133,7 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
         assert mv.tags["streamtune.sha256"] == by_id[mv.tags["streamtune.version_id"]][0].sha256
 
 
+@pytest.mark.slow
 def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_model, tmp_path, unique):
     """Samples of a model whose config has not arrived are held for a grace period of running
     time. A restore after a downtime longer than that period must not dead-letter them before

@@ -118,6 +118,7 @@ def by_model(run, model_id: str) -> list[VersionRecord]:
     return versions
 
 
+@pytest.mark.slow  # the A-then-B run: about 4 minutes in CI; the gate logic runs on the CPU in test_trainer_quality.py
 def test_gate_refuses_a_version_that_forgets_a_and_keeps_the_champion(run, stack_config, base_model):
     versions = by_model(run, run["plain"])
     a_phase, b_phase = versions[:A_WINDOWS], versions[A_WINDOWS:A_WINDOWS + B1_WINDOWS]
@@ -148,6 +149,7 @@ def test_gate_refuses_a_version_that_forgets_a_and_keeps_the_champion(run, stack
     assert all("candidate" in x.aliases for x in during_b1)
 
 
+@pytest.mark.slow  # the A-then-B run: about 4 minutes in CI; the gate logic runs on the CPU in test_trainer_quality.py
 def test_a_later_version_with_replay_learns_b_without_forgetting_a_and_is_promoted(run, stack_config, base_model):
     versions = by_model(run, run["replay"])
     b_phase = versions[A_WINDOWS:]
@@ -163,6 +165,7 @@ def test_a_later_version_with_replay_learns_b_without_forgetting_a_and_is_promot
     assert on_a >= 0.9 and on_b >= 0.9, (on_a, on_b)
 
 
+@pytest.mark.slow  # the A-then-B run: about 4 minutes in CI; the gate logic runs on the CPU in test_trainer_quality.py
 def test_a_tolerance_update_applies_from_the_next_version(run, stack_config, base_model):
     versions = by_model(run, run["plain"])
     before, after = versions[A_WINDOWS + B1_WINDOWS - 1], versions[A_WINDOWS + B1_WINDOWS]

@@ -18,6 +18,7 @@ from streamtune.stack.process import alive, spawn, terminate, wait_until
 pytestmark = pytest.mark.stack
 
 
+@pytest.mark.slow  # CI brings the stack up and down around the suite anyway
 def test_up_is_idempotent_and_down_stops_only_what_up_started():
     # Not under pytest's tmp dir (mode 700): PostgreSQL runs as `postgres` and must reach its data.
     home = Path(tempfile.mkdtemp(prefix="streamtune-isolated-"))

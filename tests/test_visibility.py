@@ -87,7 +87,8 @@ def completed_checkpoints(stack_config, job_id: str, after: int, timeout: float)
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
+# The at-least-once run shows the check can fail: needed once per change to it, not on every CI run.
+@pytest.mark.parametrize("guarantee", ["exactly-once", pytest.param("at-least-once", marks=pytest.mark.slow)])
 def test_versions_become_visible_only_when_their_checkpoint_completes(
         stack_config, base_model, unique, tmp_path, guarantee):
     boot = stack_config.kafka_bootstrap
