@@ -70,6 +70,7 @@ class AdapterFollower:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._poller: Optional[threading.Thread] = None
+        self.alias_poll_s = settings.alias_poll_s  # slower once a registry webhook pushes the moves
         self.errors: list[str] = []                          # the last few, for /readyz and logs
 
     # -- what is known ------------------------------------------------------------------
@@ -115,7 +116,7 @@ class AdapterFollower:
 
     def _poll_loop(self) -> None:
         """Moves made in MLflow directly (no hint on the topic): the registry read in full."""
-        while not self._stop.wait(self.settings.alias_poll_s):
+        while not self._stop.wait(self.alias_poll_s):
             if not self._caught_up.is_set():
                 continue  # the catch-up reads the registry itself before it says ready
             try:
@@ -182,9 +183,8 @@ class AdapterFollower:
             self._error(f"unreadable alias move skipped: {e}")
             return
         if self.settings.tracking_uri:
-            if move.model_id in self._versions and self._caught_up.is_set():
-                self._read_registry(move.model_id)
-            return  # not a model served here, or history: the poll before ready covers it
+            self.hint(move.model_id)
+            return
         wanted = dict(self._wanted.get(move.model_id, {}))  # no registry: the announced move itself
         if move.version is None:
             wanted.pop(move.alias, None)
@@ -193,6 +193,13 @@ class AdapterFollower:
         with self._lock:
             self._wanted[move.model_id] = wanted
         self._apply(move.model_id)
+
+    def hint(self, model_id: str) -> None:
+        """Someone says `model_id`'s aliases moved (an alias-move record, a registry webhook):
+        read that model from the registry now. Models not served here, and hints before the
+        catch-up (which reads the registry itself), are ignored."""
+        if self.settings.tracking_uri and model_id in self._versions and self._caught_up.is_set():
+            self._read_registry(model_id)
 
     def _read_registry(self, model_id: str) -> None:
         """One model's aliases from the registry, now (after a hint: a move or a new version)."""

@@ -414,3 +414,61 @@ def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model
     assert "no champion" in answers["r-unknown"]["error"] or "no-such-model" in answers["r-unknown"]["error"]
     assert "expected <model_id>" in answers["r-bad-name"]["error"]
     assert "error" in answers[None]  # the unreadable request
+
+
+def test_an_alias_moved_in_mlflow_directly_reaches_the_server_within_a_second_among_1000_models(
+        trained, stack_config):
+    """A move made in MLflow itself (no hint on the alias-moves topic) with 1,000 registered
+    models: MLflow's webhook pushes it, the server reads that one model and swaps. A full poll
+    of 1,000 models' aliases alone takes most of the 1 s budget on this machine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlflow import MlflowClient
+
+    from connectors.mlflow_webhook import signed_headers
+
+    server, model_id = trained["server"], trained["model_id"]
+    client = MlflowClient(stack_config.mlflow_uri, stack_config.mlflow_uri)
+    hooks = [h for h in client.list_webhooks() if h.url == f"{server.url}/v1/hooks/mlflow"]
+    assert len(hooks) == 1 and {f"{e.entity.value}.{e.action.value}" for e in hooks[0].events} == {
+        "model_version_alias.created", "model_version_alias.deleted"}, hooks
+    original = int(client.get_registered_model(model_id).aliases["champion"])
+    bulk = [f"bulk-{model_id}-{i:04d}" for i in range(1000)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(client.create_registered_model, bulk))
+    try:
+        started, count, token = time.monotonic(), 0, None
+        while True:  # what one full poll of the registry costs now
+            page = client.search_registered_models(max_results=1000, page_token=token)
+            count, token = count + len(page), page.token
+            if not token:
+                break
+        full_poll = time.monotonic() - started
+        assert count > 1000
+
+        versions = sorted({b.mlflow_version for b in trained["broadcasts"]})
+        followed = []
+        for target in [v for v in versions[-6:] if v != original][:5] * 4:  # 20 moves
+            if server.model(model_id)["aliases"].get("champion") == target:
+                continue
+            client.set_registered_model_alias(model_id, "champion", target)
+            moved_at = time.monotonic()
+            while server.model(model_id)["aliases"].get("champion") != target:
+                assert time.monotonic() - moved_at < 10, f"the server never followed v{target}"
+                time.sleep(0.01)
+            followed.append(time.monotonic() - moved_at)
+            r = server.complete(model_id, PROMPTS[0])
+            assert r.status_code == 200 and r.json()["streamtune"]["version"] == target, r.text
+        print(f"{count} registered models, one full poll {full_poll:.2f} s; {len(followed)} moves followed "
+              f"in max {max(followed):.3f} s, median {sorted(followed)[len(followed) // 2]:.3f} s")
+        assert len(followed) >= 15 and max(followed) <= 1.0, followed
+
+        # Only MLflow, holding this run's secret, can hint: a forged or stale delivery is refused.
+        body = b'{"entity": "model_version_alias", "action": "created", "data": {"name": "%s"}}' % model_id.encode()
+        for headers in ({}, signed_headers("guessed", "d-1", int(time.time()), body)):
+            r = requests.post(f"{server.url}/v1/hooks/mlflow", data=body, headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "webhook_rejected", r.text
+    finally:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(client.delete_registered_model, bulk))
+        client.set_registered_model_alias(model_id, "champion", original)

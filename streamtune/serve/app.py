@@ -8,6 +8,7 @@
 | PUT    | /v1/models/{model_id}/split           | bearer | the fraction of traffic sent to `candidate`   |
 | GET    | /v1/models/{model_id}/serving         |        | the split, per-arm counters, online metrics, decisions |
 | GET    | /v1/guard                             |        | online metrics per version, rollback decisions |
+| POST   | /v1/hooks/mlflow                      | HMAC   | MLflow's alias-move webhook: read that model now |
 | GET    | /healthz, /readyz                     |        | alive; caught up on the broadcasts            |
 | GET    | /metrics                              |        | Prometheus: requests, latency, swaps, refusals |
 
@@ -148,6 +149,21 @@ def create_app(served: ServedModels, token: Optional[str]) -> FastAPI:
         stats = [{"model_id": m, "version": v, "events": st.events, "acceptance": round(st.acceptance, 4)}
                  for (m, v), st in sorted(g.stats.items())]
         return {"enabled": True, "counts": g.counts, "versions": stats, "decisions": g.decisions}
+
+    @app.post("/v1/hooks/mlflow")
+    async def mlflow_webhook(request: Request):
+        # No bearer token: MLflow signs each delivery with the secret this run registered.
+        from starlette.concurrency import run_in_threadpool
+
+        from connectors.mlflow_webhook import WebhookRejected, alias_event, verify
+        try:
+            payload = verify(served.webhook_secret, request.headers, await request.body(), time.time())
+        except WebhookRejected as e:
+            return JSONResponse({"error": {"message": str(e), "type": "webhook_rejected"}}, 401)
+        model_id = alias_event(payload)
+        if model_id is not None:
+            await run_in_threadpool(served.follower.hint, model_id)  # reads MLflow, may swap an adapter
+        return {"model_id": model_id}
 
     @app.get("/healthz")
     def healthz():

@@ -45,10 +45,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(base_model=args.base_model, follower=follower, slots=args.slots,
                              cpu_cache=args.cpu_cache, max_rank=args.max_rank,
                              candidate_fraction=args.candidate_fraction,
-                             inference_log_topic=log_topic, guard=guard)
+                             inference_log_topic=log_topic, guard=guard,
+                             webhook_url=None if args.no_registry or args.no_webhook else webhook_url(args))
     served = ServedModels(settings)
     uvicorn.run(create_app(served, token), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def webhook_url(args: argparse.Namespace) -> str:
+    """Where MLflow should POST alias moves: given, or this server's own address."""
+    import socket
+
+    if args.webhook_url:
+        return args.webhook_url
+    host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
+    return f"http://{host}:{args.port}/v1/hooks/mlflow"
 
 
 def add_parser(subparsers) -> None:
@@ -79,5 +90,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rollback-window", type=int, default=200, help="judged responses kept per version")
     p.add_argument("--promotion-log", type=Path, default=defaults.home() / "api" / "promotions.jsonl")
     p.add_argument("--no-auto-rollback", action="store_true")
+    p.add_argument("--webhook-url", default=None,
+                   help="URL at which MLflow reaches this server, to push alias moves "
+                        "(default: http://<host>:<port>/v1/hooks/mlflow; this machine's name for 0.0.0.0)")
+    p.add_argument("--no-webhook", action="store_true",
+                   help="only poll the registry for alias moves made in MLflow directly")
     p.add_argument("--token-file", default=None, help="bearer token file (else $STREAMTUNE_API_TOKEN)")
     p.set_defaults(func=reporting_errors(cmd_serve))

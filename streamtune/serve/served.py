@@ -9,6 +9,7 @@ is acknowledged no response comes from the version it replaced, and none mixes t
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class ServeSettings:
     inference_log_topic: Optional[str] = None
     max_tokens_limit: int = 256
     guard: Optional[GuardSettings] = None   # automatic rollback (needs the inference log)
+    webhook_url: Optional[str] = None       # where MLflow pushes alias moves (connectors.mlflow_webhook)
+    webhook_poll_s: float = 5.0             # the registry poll, once the webhook is registered
 
 
 @dataclass
@@ -86,14 +89,40 @@ class ServedModels:
             self.log_producer = KafkaProducer(bootstrap_servers=settings.follower.bootstrap, acks=1, linger_ms=5)
         self.follower = AdapterFollower(settings.follower, on_alias=self.on_alias)
         self.guard = OnlineGuard(settings.guard) if settings.guard else None
+        self.webhook_secret = secrets.token_urlsafe(32)  # made for this run, given to MLflow only
+        self.webhook_id: Optional[str] = None
+
+    def _register_webhook(self) -> None:
+        """Ask MLflow to push alias moves here; polling every follower.alias_poll_s stays the
+        fallback (a file store, a server that refuses private http URLs, an old MLflow)."""
+        url, tracking_uri = self.settings.webhook_url, self.settings.follower.tracking_uri
+        if not url or not tracking_uri:
+            return
+        from connectors.mlflow_webhook import register
+        try:
+            self.webhook_id = register(tracking_uri, url, self.webhook_secret)
+        except Exception as e:
+            log.warning("no registry webhook (%s): alias moves made in MLflow directly are polled every %.2f s",
+                        e, self.follower.alias_poll_s)
+            return
+        self.follower.alias_poll_s = self.settings.webhook_poll_s
+        log.info("registry webhook %s -> %s: alias moves pushed, polled every %.0f s as a fallback",
+                 self.webhook_id, url, self.settings.webhook_poll_s)
 
     def start(self) -> "ServedModels":
+        self._register_webhook()
         self.follower.start()
         if self.guard is not None:
             self.guard.start()
         return self
 
     def close(self) -> None:
+        if self.webhook_id is not None:
+            from connectors.mlflow_webhook import unregister
+            try:
+                unregister(self.settings.follower.tracking_uri, self.webhook_id)
+            except Exception as e:  # MLflow gone first: the next start replaces it by name
+                log.warning("could not remove the registry webhook %s: %s", self.webhook_id, e)
         self.follower.stop()
         if self.guard is not None:
             self.guard.stop()
