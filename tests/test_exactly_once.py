@@ -72,8 +72,14 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
                                      read_committed=False)
             assert len(fresh) > emitted and job.running(), (tmp_path / "job.log").read_text()[-3000:]
             if kill == 0:  # on purpose between an emission and the checkpoint that would commit it
-                deadline = time.monotonic() + 60
-                while not versions(False) - versions(True):
+                deadline = time.monotonic() + 90
+                # Committed first, then everything: a version in the second read and not the
+                # first may have committed in between, but one in flight always shows. The
+                # check that counts comes after the kill (`in_flight`, `replayed`).
+                while True:
+                    committed = versions(True)
+                    if versions(False) - committed:
+                        break
                     assert time.monotonic() < deadline, "no version was ever in flight"
             else:  # at a random point within the next 3 s, while transactions are open
                 time.sleep(rng.uniform(0.0, 3.0))
