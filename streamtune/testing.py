@@ -286,3 +286,33 @@ def records_read(config, job_id: str, vertex: str) -> int:
 
     details = requests.get(f"{config.flink_rest_url}/jobs/{job_id}", timeout=5).json()
     return sum(v["metrics"]["read-records"] for v in details.get("vertices", []) if vertex in v["name"])
+
+
+PROMETHEUS_PORTS = range(9249, 9261)  # metrics.reporter.prom.port in flink-conf/config.yaml
+PREFIX = "flink_taskmanager_job_task_operator_"
+
+
+def scrape_prometheus(host: str, job_name: str) -> dict[tuple[str, str], list[float]]:
+    """Every answering Prometheus endpoint of the cluster (the JobManager and each TaskManager
+    take the next free port of the range), the job's operator metrics:
+    (operator, metric) -> one value per subtask. The reporter writes `_` for `-` and other
+    characters in label values: job and operator names are compared that way."""
+    import re
+    from collections import defaultdict
+
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[tuple[str, str], list[float]] = defaultdict(list)
+    job_name = re.sub(r"\W", "_", job_name)
+    for port in PROMETHEUS_PORTS:
+        try:
+            text = requests.get(f"http://{host}:{port}/metrics", timeout=2).text
+        except requests.RequestException:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(PREFIX) and re.sub(r"\W", "_", sample.labels.get("job_name", "")) == job_name:
+                    operator = re.sub(r"\W", "_", sample.labels["operator_name"])
+                    values[(operator, sample.name[len(PREFIX):])].append(sample.value)
+    return values

@@ -11,47 +11,19 @@ gauges present and sane once every sample is trained.
 from __future__ import annotations
 
 import json
-import re
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from core.messages import VersionRecord
 from streamtune.feedback import digit_samples, producer, send_config, send_samples
 from streamtune.stack.flink import cancel_job, submit_detached
-from streamtune.testing import job_args, job_topics, spec, wait_for, wait_for_records
+from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for, wait_for_records
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.observability
 REPO = Path(__file__).resolve().parents[1]
-PROMETHEUS_PORTS = range(9249, 9261)  # metrics.reporter.prom.port in flink-conf/config.yaml
-PREFIX = "flink_taskmanager_job_task_operator_"
-
-
-def scrape(host: str, job_name: str) -> dict[tuple[str, str], list[float]]:
-    """Every answering Prometheus endpoint of the cluster (the JobManager and each TaskManager
-    take the next free port of the range), the job's operator metrics:
-    (operator, metric) -> one value per subtask. The reporter writes `_` for `-` and other
-    characters in label values: job and operator names are compared that way."""
-    values: dict[tuple[str, str], list[float]] = defaultdict(list)
-    job_name = re.sub(r"\W", "_", job_name)
-    for port in PROMETHEUS_PORTS:
-        try:
-            text = requests.get(f"http://{host}:{port}/metrics", timeout=2).text
-        except requests.RequestException:
-            continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith(PREFIX) and re.sub(r"\W", "_", sample.labels.get("job_name", "")) == job_name:
-                    operator = re.sub(r"\W", "_", sample.labels["operator_name"])
-                    values[(operator, sample.name[len(PREFIX):])].append(sample.value)
-    return values
-
-
 def total(values, operator: str, metric: str, maybe_zero: bool = False) -> float:
     """Summed over subtasks; a metric no subtask reports is missing, not zero (a counter shows
     up once incremented: `maybe_zero` for those that may never be)."""
@@ -114,7 +86,7 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
         last: dict = {}
 
         def settled():
-            m = last["m"] = scrape(host, job_name)
+            m = last["m"] = scrape_prometheus(host, job_name)
             get = lambda op, name: sum(m.get((op, name), [0]))  # noqa: E731
             return (get("validate", "records_in") == expected_in
                     and get("lora_trainer", "windows_fired") >= len(committed)

@@ -21,7 +21,7 @@ from connectors.kafka import create_topic
 from core.messages import FeedbackSample, VersionRecord
 from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.stack.flink import Flink, cancel_job, job_counters, job_state, submit_detached
-from streamtune.testing import job_args, job_topics, records_read, spec, wait_for, wait_for_records
+from streamtune.testing import job_args, job_topics, records_read, scrape_prometheus, spec, wait_for, wait_for_records
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.scale
@@ -310,14 +310,20 @@ def test_100_models_in_one_job_all_train_within_the_adapter_bound(stack_config, 
         "--idle-close-ms", "3000", "--max-live-adapters", str(bound), "--job-name", f"many-{unique}"))
     held = []
     try:
+        def sample_gauges():  # from the Prometheus reporter: Flink's REST API leaves Python gauges out
+            gauges = scrape_prometheus(stack_config.host, f"many-{unique}")
+            if ("lora_trainer", "live_adapters") in gauges:
+                held.append((sum(gauges[("lora_trainer", "live_adapters")]),
+                             sum(gauges[("lora_trainer", "live_adapter_bytes")])))
+            return held
+
         def trained_models():
-            gauges = job_counters(stack_config.flink_rest_url, job)
-            if "lora-trainer.live_adapters" in gauges:
-                held.append((gauges["lora-trainer.live_adapters"], gauges["lora-trainer.live_adapter_bytes"]))
+            sample_gauges()
             versions = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0)
             return versions if {v.model_id for v in versions} == set(models) else None
 
         versions = wait_for(trained_models, 600, "a version of every model", interval=2)
+        wait_for(sample_gauges, 60, "the trainer's live_adapters gauge", interval=2)  # a backlog trains fast
     finally:
         cancel_job(stack_config, job)
     trained = sorted(i for v in {v.version_id: v for v in versions}.values() for i in v.lineage.sample_ids)
