@@ -40,9 +40,7 @@ from core.errors import StreamtuneError
 EVENTS = ("model_version_alias.created", "model_version_alias.deleted")
 MAX_AGE_S = 300  # a replayed delivery older than this is refused
 SIGNATURE, TIMESTAMP, DELIVERY_ID = "X-MLflow-Signature", "X-MLflow-Timestamp", "X-MLflow-Delivery-Id"
-
-
-NAME_PREFIX = "streamtune-serve-"
+NAME_PREFIX = "streamtune-serve-"  # + a hash of the server's webhook URL
 
 
 def webhook_name(url: str) -> str:

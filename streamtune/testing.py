@@ -289,7 +289,7 @@ def records_read(config, job_id: str, vertex: str) -> int:
 
 
 PROMETHEUS_PORTS = range(9249, 9261)  # metrics.reporter.prom.port in flink-conf/config.yaml
-PREFIX = "flink_taskmanager_job_task_operator_"
+PROMETHEUS_OPERATOR_PREFIX = "flink_taskmanager_job_task_operator_"
 
 
 def scrape_prometheus(host: str, job_name: str) -> dict[tuple[str, str], list[float]]:
@@ -312,7 +312,8 @@ def scrape_prometheus(host: str, job_name: str) -> dict[tuple[str, str], list[fl
             continue
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name.startswith(PREFIX) and re.sub(r"\W", "_", sample.labels.get("job_name", "")) == job_name:
+                if (sample.name.startswith(PROMETHEUS_OPERATOR_PREFIX)
+                        and re.sub(r"\W", "_", sample.labels.get("job_name", "")) == job_name):
                     operator = re.sub(r"\W", "_", sample.labels["operator_name"])
-                    values[(operator, sample.name[len(PREFIX):])].append(sample.value)
+                    values[(operator, sample.name[len(PROMETHEUS_OPERATOR_PREFIX):])].append(sample.value)
     return values
