@@ -67,9 +67,10 @@ class RegistrationFunction(KeyedProcessFunction):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         from connectors.artifact_store import ArtifactStore
-        from connectors.mlflow_registry import make_client
+        from connectors.mlflow_registry import RegistryCache, make_client
 
         self.client = make_client(self.tracking_uri)
+        self.registry_cache = RegistryCache()
         self.store = ArtifactStore(self.artifact_store, self.tracking_uri)
         self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
         self.retry = runtime_context.get_state(ValueStateDescriptor("retry", Types.PICKLED_BYTE_ARRAY()))
@@ -99,7 +100,7 @@ class RegistrationFunction(KeyedProcessFunction):
             try:
                 with span("streamtune.register", model_id=record.model_id, version_id=record.version_id,
                           samples=len(record.lineage.sample_ids)) as traced:
-                    mv, created = register_version(self.client, record, self.store)
+                    mv, created = register_version(self.client, record, self.store, self.registry_cache)
                     broadcast = broadcast_for(record, mv)
                     traced.set_attribute("mlflow_version", int(mv.version))
                     traced.set_attribute("created", created)

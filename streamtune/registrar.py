@@ -31,7 +31,7 @@ from kafka.structs import OffsetAndMetadata
 
 from connectors.kafka import create_topic
 from connectors.artifact_store import ArtifactStore
-from connectors.mlflow_registry import broadcast_for, make_client, register_version
+from connectors.mlflow_registry import RegistryCache, broadcast_for, make_client, register_version
 from core import defaults
 from core.errors import ArtifactIntegrityError, InvalidMessage
 from core.messages import VersionRecord
@@ -55,6 +55,7 @@ class Registrar:
         self.on_event = on_event or (lambda line: None)
         self.counts = {"seen": 0, "registered": 0, "duplicates": 0, "invalid": 0}
         self.client = make_client(config.tracking_uri)
+        self.registry_cache = RegistryCache()
         self.store = ArtifactStore(config.artifact_store, config.tracking_uri)
         for topic in (config.versions_topic, config.broadcast_topic):
             create_topic(config.bootstrap, topic)
@@ -117,7 +118,7 @@ class Registrar:
         where = f"{rec.topic}[{rec.partition}]@{rec.offset}"
         try:
             record = VersionRecord.from_json(rec.value)
-            mv, created = register_version(self.client, record, self.store)
+            mv, created = register_version(self.client, record, self.store, self.registry_cache)
         except (InvalidMessage, ArtifactIntegrityError) as e:
             self.counts["invalid"] += 1
             log.error("registrar: invalid version record at %s skipped: %s", where, e)
