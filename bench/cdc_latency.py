@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 GOAL_MS = 50.0
+RESULTS = REPO / "bench" / "results"
 
 
 def run_job(args) -> None:
@@ -97,12 +98,18 @@ def main() -> None:
     p50s = {}
     for mode in args.modes.split(","):
         print(f"python.execution-mode: {mode}" + (" (jobs/cdc_retrain.py)" if mode == "process" else ""))
-        p50s[mode] = measure(args, mode)
+        sources = measure(args, mode)
+        p50s[mode] = statistics.median(s["p50_ms"] for s in sources.values())
+        if mode == "process":  # the job's own mode: bench/report.py's row
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "cdc_latency.json").write_text(json.dumps(
+                {"date": time.strftime("%Y-%m-%d"), "changes": args.changes, "goal_p50_ms": GOAL_MS,
+                 "sources": sources}, indent=2))
     if {"process", "thread"} <= set(p50s):
         print(f"p50 process / thread: {p50s['process'] / p50s['thread']:.2f}")
 
 
-def measure(args, mode: str) -> float:
+def measure(args, mode: str) -> dict:
     import psycopg
     import pymongo
 
@@ -173,7 +180,7 @@ def measure(args, mode: str) -> float:
 
     print(f"  commit → sample visible in the job ({args.changes} changes per source, one per commit, "
           f"{args.gap_ms:g} ms apart)")
-    p50s = []
+    sources = {}
     for source in ("pg", "mongo"):
         keys = [k for k in committed if k.startswith(source)]
         lost = [k for k in keys if k not in seen]
@@ -182,8 +189,9 @@ def measure(args, mode: str) -> float:
         p50, p95 = statistics.median(total), total[int(0.95 * (len(total) - 1))]
         print(f"  {source:5s}  p50 {p50:6.1f} ms  p95 {p95:6.1f} ms  (commit → Kafka record p50 "
               f"{statistics.median(capture):5.1f} ms)  p50/goal {p50 / GOAL_MS:.2f}  missing {len(lost)}")
-        p50s.append(p50)
-    return statistics.median(p50s)
+        sources["postgres" if source == "pg" else "mongo"] = {"p50_ms": round(p50, 1), "p95_ms": round(p95, 1),
+                                                              "missing": len(lost)}
+    return sources
 
 
 if __name__ == "__main__":

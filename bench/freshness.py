@@ -22,7 +22,7 @@ Goals: broadcast p95 ≤ one checkpoint interval (issue 15); served p95 ≤ chec
 Restart the stack first (`streamtune stack down && streamtune stack up`): Tansu slows down as
 topics pile up.
 
-    .venv/bin/python bench/freshness.py [--windows 220] [--checkpoint-ms 1000]
+    .venv/bin/python bench/freshness.py [--windows 260] [--checkpoint-ms 1000]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Watcher(threading.Thread):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=220)
+    parser.add_argument("--windows", type=int, default=260)
     parser.add_argument("--checkpoint-ms", type=int, default=1000)
     args = parser.parse_args()
     quiet_libraries()
@@ -159,12 +159,14 @@ def main() -> None:
                 measured_from[0] = time.time()
             now = int(time.time() * 1000)
             sample = FeedbackSample(model_id=model_id, sample_id=f"s{i}", prompt=prompt, completion=completion, ts=now)
+            # Not flushed one by one: a slow acknowledgement would hold the next sample, and the
+            # window closes only when a later sample moves the watermark past its end.
             out.send(topics["feedback"], sample.to_json().encode(), timestamp_ms=now)
-            out.flush()
             if i % (PER_WINDOW * 30) == 0:
                 print(f"  {i // PER_WINDOW} windows sent, {len(committed.seen)} committed, "
                       f"{len(broadcast.seen)} broadcast, {len(served)} served", flush=True)
             time.sleep(WINDOW_S / PER_WINDOW)
+        out.flush()
         deadline = time.monotonic() + 30
         while len(broadcast.seen) < len(committed.seen) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -197,6 +199,7 @@ def main() -> None:
             goal = f"p95 ≤ {goals[stage]:.2f} s: {'met' if row['p95_s'] <= goals[stage] else 'NOT met'}" \
                    f" (p95/goal = {row['p95_s'] / goals[stage]:.2f})" + ("" if len(values) >= 200 else
                                                                         "; fewer than 200 points")
+        row["values_s"] = [round(x, 3) for x in values]  # for the plot (bench/report.py)
         result["stages"][stage] = row
         print(f"{stage:<12}{row['n']:>5}{row['p50_s']:>8.2f}{row['p95_s']:>8.2f}{row['p99_s']:>8.2f}   {goal}")
     (REPO / "bench" / "results").mkdir(exist_ok=True)

@@ -189,11 +189,16 @@ class LoraTrainer:
         examples, weights = self._encode(samples, training)
         replayed, replay_weights = self._encode(replay, training)
         tokens = sum(len(e["input_ids"]) for e in examples + replayed)
-        loss_before = self._mean_loss(examples, weights, training)
         consolidated = load_safetensors(state["ewc"]) if ewc and not fresh and state.get("ewc") else None
         penalty = _ewc_penalty(params, consolidated, ewc.strength) if consolidated else None
-        self._train(examples + replayed, weights + replay_weights, training, optimizer, seed, penalty)
-        loss_after = self._mean_loss(examples, weights, training)
+        if training.exact_losses:
+            loss_before = self._mean_loss(examples, weights, training)
+        first_pass, last_pass = self._train(examples + replayed, weights + replay_weights, training, optimizer,
+                                            seed, penalty, own=len(examples))
+        if training.exact_losses:
+            loss_after = self._mean_loss(examples, weights, training)
+        else:
+            loss_before, loss_after = first_pass, last_pass
 
         lora = {k: v.detach().to("cpu").clone().contiguous()
                 for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
@@ -280,14 +285,17 @@ class LoraTrainer:
     def _loss(self, batch: dict, weights: torch.Tensor, total_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted mean over samples of each sample's mean token loss (over `total_weight`
         when given: the weight of a whole accumulation group)."""
+        total = weights.sum() if total_weight is None else total_weight
+        return (self._sample_losses(batch) * weights).sum() / total.clamp(min=1e-8)
+
+    def _sample_losses(self, batch: dict) -> torch.Tensor:
+        """Each sample's mean token loss."""
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logits, labels = logits[:, :-1].float(), batch["labels"][:, 1:]
         per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
                                                       reduction="none")
         mask = (labels != -100).float()
-        per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        total = weights.sum() if total_weight is None else total_weight
-        return (per_sample * weights).sum() / total.clamp(min=1e-8)
+        return (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
 
     def _autocast(self, training: TrainingConfig):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.precision)
@@ -332,31 +340,52 @@ class LoraTrainer:
         return save_safetensors(tensors)
 
     def _train(self, examples: list, weights: list, training: TrainingConfig, optimizer, seed: int,
-               penalty=None) -> None:
+               penalty=None, own: int | None = None) -> tuple[float, float]:
+        """Train on `examples`; returns the weighted mean loss of the first `own` examples (the
+        window's, not replayed ones) in the first pass and in the last pass, as they were
+        trained: in the first pass each sample's loss before any step on it (progressive
+        validation; the exact loss before training when the window is one micro-batch)."""
         self.model.train()
+        own = len(examples) if own is None else own
         scaler = torch.amp.GradScaler(enabled=training.precision == "fp16" and self.device.type == "cuda")
         optimizer.zero_grad(set_to_none=True)
-        micro_batches = []
+        micro_batches = []  # (pass, the examples' indices, batch, weights)
+        size = training.micro_batch_size
         for epoch in range(training.epochs):
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-            ex, ws = [examples[i] for i in order], [weights[i] for i in order]
-            micro_batches += [(batch, w) for batch, w in self._batches(ex, ws, training.micro_batch_size)
-                              if float(w.sum()) != 0.0]  # all rejected: nothing to learn from it
+            for i in range(0, len(order), size):
+                idx = order[i:i + size]
+                if sum(weights[j] for j in idx) == 0.0:
+                    continue  # all rejected: nothing to learn from it
+                batch = collate([examples[j] for j in idx], self.tokenizer.pad_token_id)
+                micro_batches.append((epoch, idx, {k: v.to(self.device) for k, v in batch.items()},
+                                      torch.tensor([weights[j] for j in idx], device=self.device)))
+        # [first pass, last pass] x [loss sum, weight], on the device: no sync per micro-batch
+        seen = torch.zeros(2, 2, device=self.device)
         for first in range(0, len(micro_batches), training.flush_every):
             group = micro_batches[first:first + training.flush_every]
             # Each micro-batch's weighted loss sum over the whole group's weight: the group's
             # gradients add up to those of one batch holding all its samples.
-            group_weight = sum(w.sum() for _, w in group)
-            for batch, w in group:
+            group_weight = sum(w.sum() for _, _, _, w in group)
+            for epoch, idx, batch, w in group:
                 with self._autocast(training):
-                    loss = self._loss(batch, w, group_weight)
+                    losses = self._sample_losses(batch)
+                    loss = (losses * w).sum() / group_weight.clamp(min=1e-8)
                 scaler.scale(loss).backward()
+                mine = w * torch.tensor([j < own for j in idx], device=w.device)
+                weighted = torch.stack([(losses.detach().float() * mine).sum(), mine.sum()])
+                if epoch == 0:
+                    seen[0] += weighted
+                if epoch == training.epochs - 1:
+                    seen[1] += weighted
             if penalty is not None:
                 scaler.scale(penalty()).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
         self.model.eval()
+        first_pass, last_pass = (round(float(s / w), 6) if w > 0 else 0.0 for s, w in seen.tolist())
+        return first_pass, last_pass
 
 
 def _ewc_penalty(params: list, consolidated: dict, strength: float):

@@ -94,6 +94,44 @@ def test_flush_every_4_gives_the_update_of_one_batch_4_times_the_size(base, weig
     assert control > 100 * max(gap, 1e-6), (control, gap)
 
 
+# ------------------------------------------------------------------------- losses
+def test_progressive_losses_match_the_exact_passes_and_cost_no_weights(base):
+    """Without exact_losses, loss_before is each sample's loss in the first pass that trains
+    on it: for a window of one micro-batch, exactly the loss before training. The extra
+    passes of exact_losses change nothing in the trained weights."""
+    trainer = LoraTrainer.for_base(base)
+    adapter = AdapterConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    samples = [Kept(f"s{i}", p, c, [1.0, 0.5][i % 2]) for i, (p, c) in enumerate(digit_pairs(32, seed=5))]
+    steps = {}
+    for exact in (False, True):
+        training = TrainingConfig(lr=0.01, micro_batch_size=32, epochs=3, exact_losses=exact)
+        first = trainer.step(f"loss-{exact}", adapter, training, None, samples, seed=2)
+        steps[exact] = (first, trainer.step(f"loss-{exact}", adapter, training, first.state, samples, seed=3))
+    (progressive, progressive_2), (exact, exact_2) = steps[False], steps[True]
+    assert progressive.sha256 == exact.sha256 and progressive_2.sha256 == exact_2.sha256
+    for fast, slow in ((progressive, exact), (progressive_2, exact_2)):
+        assert fast.metrics["loss_before"] == pytest.approx(slow.metrics["loss_before"], abs=1e-5)
+    # The last pass's training loss is measured before that pass's step: between the exact
+    # loss before and after, and not equal to either.
+    for fast, slow in ((progressive, exact), (progressive_2, exact_2)):
+        assert slow.metrics["loss_after"] < fast.metrics["loss_after"] < slow.metrics["loss_before"]
+
+
+def test_progressive_loss_leaves_replayed_samples_out(base):
+    trainer = LoraTrainer.for_base(base)
+    adapter = AdapterConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    pairs = digit_pairs(24, seed=6)
+    own = [Kept(f"s{i}", p, c, 1.0) for i, (p, c) in enumerate(pairs[:8])]
+    replay = [Kept(f"r{i}", p, c, 1.0) for i, (p, c) in enumerate(pairs[8:])]
+    exact = TrainingConfig(lr=0.01, micro_batch_size=32, exact_losses=True)
+    fast = trainer.step("replay-fast", adapter, TrainingConfig(lr=0.01, micro_batch_size=32), None, own, seed=2,
+                        replay=replay)
+    slow = trainer.step("replay-exact", adapter, exact, None, own, seed=2, replay=replay)
+    assert fast.metrics["loss_before"] == pytest.approx(slow.metrics["loss_before"], abs=1e-5)
+    mixed = trainer.step("replay-mixed", adapter, exact, None, own + replay, seed=2)
+    assert abs(mixed.metrics["loss_before"] - slow.metrics["loss_before"]) > 1e-3, "the control: replay counted"
+
+
 # ------------------------------------------------------------------------- gate and replay
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,10 @@ class TrainingConfig(Message):
     max_seq_len: int = Field(default=256, ge=8, le=32768)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     epochs: int = Field(default=1, ge=1, le=100, description="passes over each window's samples")
+    # Off: loss_before is each sample's loss in the first pass that trains on it (progressive
+    # validation) and loss_after the last pass's training loss, both free. On: two extra
+    # forward passes over the window, before and after training (about half a step's cost).
+    exact_losses: bool = Field(default=False, description="measure loss before/after with extra forward passes")
 
 
 class EvaluationConfig(Message):

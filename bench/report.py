@@ -1,0 +1,161 @@
+"""One table from bench/results/*.json, PNG plots beside them, and the README's table.
+
+Each benchmark writes its own results file; this reads whichever are there, prints one
+table (measure, figure, goal, met), draws the plots (freshness per stage, loss and
+throughput of the trainer benchmark) into bench/results/, and rewrites the README between
+`<!-- bench:begin -->` and `<!-- bench:end -->` with the table, each row dated by its run.
+A benchmark not run yet shows as such.
+
+    .venv/bin/python bench/report.py [--no-readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def verdict(value: float, goal: float, at_most: bool = True) -> str:
+    return "met" if (value <= goal if at_most else value >= goal) else "**not met**"
+
+
+def rows() -> list[tuple[str, str, str, str, str]]:
+    """(benchmark, measure, figure, goal, run)"""
+    out = []
+    fresh = load("freshness")
+    if fresh:
+        run = f"{fresh['date']}, {fresh['versions']} versions"
+        interval = fresh["checkpoint_ms"] / 1000
+        for stage, s in fresh["stages"].items():
+            goal = f"p95 ≤ {s['goal_p95_s']:.2f} s: {verdict(s['p95_s'], s['goal_p95_s'])}" if "goal_p95_s" in s else ""
+            out.append(("freshness", f"window end → {stage} ({interval:g} s checkpoints)",
+                        f"p50 {s['p50_s']:.2f} / p95 {s['p95_s']:.2f} / p99 {s['p99_s']:.2f} s (n={s['n']})", goal, run))
+    else:
+        out.append(("freshness", "window end → committed / registered / broadcast / served", "not run", "", ""))
+    trainer = load("trainer_overhead")
+    if trainer:
+        for shape, s in trainer["shapes"].items():
+            goal = f"≥ 0.90: {verdict(s['ratio'], 0.9, at_most=False)}" if shape == "30m" else "(fixed per-window cost)"
+            out.append(("trainer", f"whole job ÷ bare PEFT loop, `{shape}` ({s['bare_step_ms']:.0f} ms a bare step)",
+                        f"{s['ratio']:.2f} ({s['job_samples_per_s']:.0f} vs {s['bare_samples_per_s']:.0f} samples/s)",
+                        goal, trainer["date"]))
+    else:
+        out.append(("trainer", "whole job ÷ bare PEFT loop", "not run", "≥ 0.90", ""))
+    cdc = load("cdc_latency")
+    if cdc:
+        for source, s in cdc["sources"].items():
+            out.append(("cdc", f"{source} commit → sample in the job", f"p50 {s['p50_ms']:.0f} / p95 {s['p95_ms']:.0f} ms",
+                        f"p50 ≤ {cdc['goal_p50_ms']:.0f} ms: {verdict(s['p50_ms'], cdc['goal_p50_ms'])}", cdc["date"]))
+    else:
+        out.append(("cdc", "commit → sample in the job", "not run", "", ""))
+    serving = load("serving")
+    if serving:
+        sv, load_ = serving["swap_vs_load"], serving["swaps_under_load"]["latency_ms"]
+        date = serving["run"]["at"][:10]
+        ratio = sv["peft_load_adapter_ms"]["p50"] / sv["swap_ms"]["p50"]
+        p95_ratio = load_["swaps"]["p95"] / load_["no_swaps"]["p95"]
+        out += [("serving", "adapter swap p95", f"{sv['swap_ms']['p95']:.2f} ms", f"≤ 1 ms: {verdict(sv['swap_ms']['p95'], 1)}", date),
+                ("serving", "PEFT load_adapter ÷ swap (p50)", f"{ratio:.0f}×", f"≥ 10×: {verdict(ratio, 10, at_most=False)}", date),
+                ("serving", "request p95 with a swap a second ÷ without", f"{p95_ratio:.2f}",
+                 f"≤ 1.10: {verdict(p95_ratio, 1.1)}", date)]
+    many = load("many_models")
+    if many:
+        last = many["rows"][-1]
+        out.append(("many models", f"step time, {last['models']} models ÷ 1 model", f"{last['step_ratio_to_one']:.2f}",
+                    "", many["date"]))
+    submit = load("submit")
+    if submit:
+        out.append(("submit", f"`flink run` → first committed version ({submit['checkpoint_ms'] / 1000:g} s checkpoints)",
+                    f"p50 {submit['p50_s']:.1f} / max {submit['max_s']:.1f} s ({submit['runs']} runs)", "",
+                    submit["date"]))
+    else:
+        out.append(("submit", "`flink run` → first committed version", "not run", "", ""))
+    out.append(("ingest", "records/s through validation and windowing ÷ the same aggregation in Flink SQL",
+                "not measured yet", "", ""))
+    return out
+
+
+def table(lines: list[tuple]) -> str:
+    head = "| benchmark | measure | figure | goal | run |\n|---|---|---|---|---|\n"
+    return head + "".join(f"| {' | '.join(r)} |\n" for r in lines)
+
+
+def plots() -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fresh = load("freshness")
+    if fresh and all("values_s" in s for s in fresh["stages"].values()):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for stage, s in fresh["stages"].items():
+            values = s["values_s"]
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{stage} (n={len(values)})")
+        ax.axvline(fresh["checkpoint_ms"] / 1000, color="grey", linestyle=":", label="checkpoint interval")
+        ax.set(xlabel="seconds after the window's end", ylabel="fraction of versions",
+               title=f"Freshness per stage ({fresh['date']})")
+        ax.legend()
+        written.append(_save(fig, "freshness.png"))
+    trainer = load("trainer_overhead")
+    if trainer and all("versions" in s for s in trainer["shapes"].values()):
+        fig, (loss, rate) = plt.subplots(1, 2, figsize=(11, 4))
+        for shape, s in trainer["shapes"].items():
+            v = s["versions"]
+            loss.plot([x["loss_before"] for x in v], label=f"{shape}: loss before")
+            loss.plot([x["loss_after"] for x in v], label=f"{shape}: loss after")
+            pairs = list(zip(v, v[1:]))
+            rate.plot([b["t_s"] for _, b in pairs], [b["samples"] / max(b["t_s"] - a["t_s"], 1e-3) for a, b in pairs],
+                      label=f"{shape} (bare: {s['bare_samples_per_s']:.0f})")
+        loss.set(xlabel="version", ylabel="loss", title="Loss per version")
+        rate.set(xlabel="seconds", ylabel="samples/s", title="Job throughput per version", yscale="log")
+        loss.legend()
+        rate.legend()
+        written.append(_save(fig, "trainer.png"))
+    return written
+
+
+def _save(fig, name: str) -> Path:
+    path = RESULTS / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_readme(text: str) -> None:
+    readme = REPO / "README.md"
+    body = readme.read_text()
+    if BEGIN not in body:
+        sys.exit(f"README.md has no {BEGIN} … {END} section")
+    block = f"{BEGIN}\n{text}{END}"
+    readme.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, body, flags=re.S))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-readme", action="store_true")
+    args = parser.parse_args()
+    text = table(rows())
+    print(text)
+    for path in plots():
+        print(f"plot: {path.relative_to(REPO)}")
+    if not args.no_readme:
+        write_readme(text)
+        print("README.md: benchmark table rewritten")
+
+
+if __name__ == "__main__":
+    main()
