@@ -5,7 +5,7 @@ A live stream (event time = wall clock, 1 s windows of 8 samples) runs through
 jobs/stream_finetune.py submitted to the stack's Flink cluster with `flink run` (1 s
 checkpoints; the job registers its own versions in MLflow and broadcasts them: the deployed
 path, nothing else helps), and `streamtune serve` follows them. A client asks the server for
-`<model>@candidate` (every new version becomes the candidate) every ~20 ms over HTTP, a
+`<model>@candidate` (every new version becomes the candidate) every ~50 ms over HTTP, a
 `read_committed` consumer watches the versions topic and another the broadcast topic.
 
 For each version, every stage is timed from its window's end (the window wait is taken out:
@@ -14,7 +14,8 @@ a sample cannot be trained before its window closes):
     committed   the version record visible to read_committed readers (training + checkpoint)
     registered  MLflow's creation_timestamp of the model version
     broadcast   the broadcast record visible
-    served      the first response produced by it
+    served      the first response produced by it or by a later version (each trains on from
+                the one before, so it holds the window's samples too)
 
 Goals: broadcast p95 ≤ one checkpoint interval (issue 15); served p95 ≤ checkpoint interval
 + 1.5 s (issue 12; Ekko reports 2.4 s model-update latency in production).
@@ -54,6 +55,9 @@ from streamtune.testing import free_port, job_args, job_topics, spec  # noqa: E4
 from streamtune.tinymodel import build_tiny_llama, digit_pairs  # noqa: E402
 
 WINDOW_S, PER_WINDOW, WARM_UP_WINDOWS = 1, 8, 3
+# The client's own load is not the path measured: one token every 50 ms (a request every
+# 20 ms for 4 tokens took a core of this 2-core machine from the job).
+ASK_EVERY_S = 0.05
 STAGES = ("committed", "registered", "broadcast", "served")
 
 
@@ -120,14 +124,14 @@ def main() -> None:
         while not stop.is_set():
             try:
                 r = session.post(f"{url}/v1/completions", timeout=10,
-                                 json={"model": f"{model_id}@candidate", "prompt": "x=1234;y=", "max_tokens": 4})
+                                 json={"model": f"{model_id}@candidate", "prompt": "x=1234;y=", "max_tokens": 1})
             except requests.RequestException:
                 time.sleep(0.2)
                 continue
             now = time.time()
             if r.status_code == 200:
                 served.setdefault(r.json()["streamtune"]["audit_trace"][1]["version_id"], now)
-            time.sleep(0.02)
+            time.sleep(ASK_EVERY_S)
 
     asker = threading.Thread(target=ask, daemon=True)
     job_id = None
@@ -180,14 +184,21 @@ def main() -> None:
     measured = [v for v in broadcast.seen if window_end_ms(v) / 1000 > measured_from[0] and v in committed.seen]
     if len(measured) < 3:
         raise SystemExit(f"only {len(measured)} versions broadcast; see {tmp}")
+    # A version trains on from the one before (one adapter, one spec), so a window's samples
+    # are first served by the first answer from that version or any later one: a version
+    # overtaken before a request reached it still gets its point.
+    first_answer, later = {}, float("inf")
+    for v in sorted(committed.seen, key=lambda v: committed.records[v].seq, reverse=True):
+        later = min(later, served.get(v, float("inf")))
+        first_answer[v] = later if later < float("inf") else None
     at = {v: {"committed": committed.seen[v], "registered": broadcast.records[v].registered_at / 1000,
-              "broadcast": broadcast.seen[v], "served": served.get(v)} for v in measured}
+              "broadcast": broadcast.seen[v], "served": first_answer[v]} for v in measured}
     goals = {"broadcast": args.checkpoint_ms / 1000, "served": args.checkpoint_ms / 1000 + 1.5}
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.machine()})",
               "checkpoint_ms": args.checkpoint_ms, "window_s": WINDOW_S, "versions": len(measured),
-              "served_first": sum(1 for v in measured if at[v]["served"] is not None), "stages": {}}
-    print(f"\n{len(measured)} versions broadcast, {result['served_first']} of them answered a request before "
-          f"a newer one replaced them; seconds after the window's end:")
+              "answered_before_replaced": sum(1 for v in measured if v in served), "stages": {}}
+    print(f"\n{len(measured)} versions broadcast, {result['answered_before_replaced']} of them answered a request "
+          f"before a newer one replaced them; seconds after the window's end:")
     print(f"{'stage':<12}{'n':>5}{'p50':>8}{'p95':>8}{'p99':>8}   goal")
     for stage in STAGES:
         values = sorted(at[v][stage] - window_end_ms(v) / 1000 for v in measured if at[v][stage] is not None)
