@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction, ProcessFunction, TimeDomain
@@ -36,6 +37,7 @@ from operators.validate import DLQ_TAG, dead_letter
 log = logging.getLogger("streamtune.registration")
 
 RETRY_FIRST_MS, RETRY_MAX_MS = 1000, 30_000
+POLL_MS = 20  # how often a model's pending registration is looked at
 # (model_id, version record JSON, topic, partition, offset, ts)
 VERSION_TYPE = Types.TUPLE([Types.STRING(), Types.STRING(), Types.STRING(), Types.INT(), Types.LONG(), Types.LONG()])
 
@@ -55,14 +57,22 @@ class VersionReader(ProcessFunction):
 
 
 class RegistrationFunction(KeyedProcessFunction):
-    """Input: (model_id, version record JSON, topic, partition, offset, ts); output: broadcasts."""
+    """Input: (model_id, version record JSON, topic, partition, offset, ts); output: broadcasts.
+
+    MLflow is called from one background thread of this worker, never from process_element or
+    on_timer: a checkpoint barrier then passes this operator at once instead of waiting behind
+    each queued registration (it did: 2-3 s of start delay under load, which held the commit of
+    the next versions). A per-model processing-time timer polls the model's queue head every
+    POLL_MS and emits its broadcast when its registration is done; the queue and the timer are
+    keyed state, so after a restore the head is registered again (idempotent by version_id).
+    """
 
     def __init__(self, tracking_uri: str, artifact_store: str):
         self.tracking_uri, self.artifact_store = tracking_uri, artifact_store
 
     def open(self, runtime_context):
         # Fail fast and retry on our own timer: MLflow's client would otherwise retry one call
-        # for minutes, holding the whole operator.
+        # for minutes.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -72,56 +82,84 @@ class RegistrationFunction(KeyedProcessFunction):
         self.client = make_client(self.tracking_uri)
         self.registry_cache = RegistryCache()
         self.store = ArtifactStore(self.artifact_store, self.tracking_uri)
+        # One thread: registrations stay in order, and MLflow sees one writer per worker.
+        self.registrar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamtune-register")
+        self.inflight: dict[str, Future] = {}  # version_id -> its registration
         self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
-        self.retry = runtime_context.get_state(ValueStateDescriptor("retry", Types.PICKLED_BYTE_ARRAY()))
+        # (due ms, backoff ms): the one pending timer of this model, a poll (backoff 0) or a retry
+        self.timer = runtime_context.get_state(ValueStateDescriptor("timer", Types.PICKLED_BYTE_ARRAY()))
         self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
             "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries"))
+
+    def close(self):
+        self.registrar.shutdown(wait=False, cancel_futures=True)
 
     def process_element(self, value, ctx):
         self.counters.enter_element()
         self.counters.inc("versions_in")
-        self.queue.update((self.queue.value() or []) + [tuple(value[1:])])
-        if self.retry.value() is None:  # else a retry is pending: keep the model's order
-            yield from self._drain(ctx)
+        queue = (self.queue.value() or []) + [tuple(value[1:])]
+        self.queue.update(queue)
+        if self.timer.value() is None:  # else a poll or a retry is pending: keep the model's order
+            self._submit(queue[0])
+            self._arm(ctx, POLL_MS, backoff_ms=0)
+        return iter(())
 
     def on_timer(self, timestamp, ctx):
-        retry = self.retry.value()
-        if ctx.time_domain() == TimeDomain.PROCESSING_TIME and retry is not None and retry[0] == timestamp:
-            self.retry.clear()
-            yield from self._drain(ctx, backoff_ms=retry[1])
-
-    def _drain(self, ctx, backoff_ms: int = 0):
-        from connectors.mlflow_registry import broadcast_for, register_version
-
+        timer = self.timer.value()
+        if ctx.time_domain() != TimeDomain.PROCESSING_TIME or timer is None or timer[0] != timestamp:
+            return
+        self.timer.clear()
+        backoff_ms = timer[1]
         queue = self.queue.value() or []
         while queue:
-            payload, topic, partition, offset, ts = queue[0]
+            payload = queue[0][0]
             record = VersionRecord.from_json(payload)  # checked before it was queued
+            future = self.inflight.get(record.version_id) or self._submit(queue[0])
+            if not future.done():
+                self._arm(ctx, POLL_MS, backoff_ms)
+                return
+            del self.inflight[record.version_id]
             try:
-                with span("streamtune.register", model_id=record.model_id, version_id=record.version_id,
-                          samples=len(record.lineage.sample_ids)) as traced:
-                    mv, created = register_version(self.client, record, self.store, self.registry_cache)
-                    broadcast = broadcast_for(record, mv)
-                    traced.set_attribute("mlflow_version", int(mv.version))
-                    traced.set_attribute("created", created)
+                created, broadcast = future.result()
             except ArtifactIntegrityError as e:
                 self.counters.inc("integrity_failures")
                 log.error("version %s not registered: %s", record.version_id, e)
-                yield DLQ_TAG, dead_letter("artifact_integrity", str(e), payload, topic, partition, offset, ts,
-                                           "version", record.model_id)
+                yield DLQ_TAG, dead_letter("artifact_integrity", str(e), *queue[0], "version", record.model_id)
             except Exception as e:  # MLflow or the store unreachable: retry later, in order
                 self.counters.inc("registration_retries")
                 wait = min(max(backoff_ms * 2, RETRY_FIRST_MS), RETRY_MAX_MS)
                 log.warning("registering %s failed (%s: %s); retrying in %d ms", record.version_id,
                             type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", wait)
-                due = ctx.timer_service().current_processing_time() + wait
-                self.retry.update((due, wait))
-                ctx.timer_service().register_processing_time_timer(due)
-                break
+                self._arm(ctx, wait, backoff_ms=wait)  # the retry submits the head again
+                return
             else:
                 self.counters.inc("registered" if created else "already_registered")
-                yield broadcast.to_json()
+                backoff_ms = 0
+                yield broadcast
             queue = queue[1:]
             self.queue.update(queue)
-        if not queue:
-            self.queue.clear()
+            if queue:
+                self._submit(queue[0])
+        self.queue.clear()
+
+    def _arm(self, ctx, delay_ms: int, backoff_ms: int) -> None:
+        due = ctx.timer_service().current_processing_time() + delay_ms
+        self.timer.update((due, backoff_ms))
+        ctx.timer_service().register_processing_time_timer(due)
+
+    def _submit(self, entry: tuple) -> Future:
+        record = VersionRecord.from_json(entry[0])
+        if record.version_id not in self.inflight:
+            self.inflight[record.version_id] = self.registrar.submit(self._register, record)
+        return self.inflight[record.version_id]
+
+    def _register(self, record: VersionRecord) -> tuple[bool, str]:
+        """In the registration thread: (created, the broadcast's JSON)."""
+        from connectors.mlflow_registry import broadcast_for, register_version
+
+        with span("streamtune.register", model_id=record.model_id, version_id=record.version_id,
+                  samples=len(record.lineage.sample_ids)) as traced:
+            mv, created = register_version(self.client, record, self.store, self.registry_cache)
+            traced.set_attribute("mlflow_version", int(mv.version))
+            traced.set_attribute("created", created)
+        return created, broadcast_for(record, mv).to_json()

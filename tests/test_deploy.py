@@ -276,13 +276,10 @@ def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_tw
     try:
         wait_for_records(boot, topics["adapter-versions"], AdapterVersionBroadcast, 2, 120)
 
-        def pending_registration():  # a committed version MLflow does not have yet
-            committed = {v.version_id for v in wait_for_records(boot, topics["versions"], VersionRecord, 0, 0)}
-            return committed - {mv.tags["streamtune.version_id"] for mv in registered(client, model_id)}
-
-        wait_for(pending_registration, 60, "a committed version not registered yet", interval=0.05)
+        pending = first_unregistered(boot, topics["versions"], client, model_id, 60)
         (victim,) = flink.taskmanager_pids()
         os.kill(victim, signal.SIGKILL)
+        killed_at_ms = time.time() * 1000
         flink.start_taskmanager()
         wait_for(lambda: victim not in flink.taskmanager_pids() and flink.taskmanager_pids(), 30, "a new TaskManager")
         wait_for(lambda: _restarted(stack_config, job), 120, "the job to run again after the restart")
@@ -300,6 +297,34 @@ def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_tw
     assert len(version_ids) == len(set(version_ids)), "no version registered twice"
     assert [int(mv.tags["streamtune.seq"]) for mv in mvs] == list(range(1, len(mvs) + 1)), "none lost, in order"
     assert len(mvs) >= 20
+    (was_pending,) = [mv for mv in mvs if mv.tags["streamtune.version_id"] == pending]
+    assert was_pending.creation_timestamp > killed_at_ms, "the kill landed before that version was registered"
+
+
+def first_unregistered(bootstrap: str, topic: str, client, model_id: str, timeout: float) -> str:
+    """The version_id of the first committed version seen before MLflow has it: read as the
+    versions commit (20 ms polls), MLflow asked at each new one (registration takes a few
+    hundred ms, a full re-read of the topic took longer)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    # assign(), not subscribe(): on Tansu a subscription sometimes read nothing for a minute.
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                             enable_auto_commit=False, fetch_max_wait_ms=20)
+    consumer.assign([TopicPartition(topic, 0)])
+    consumer.seek_to_beginning()
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fresh = [VersionRecord.from_json(r.value).version_id
+                     for records in consumer.poll(timeout_ms=20).values() for r in records]
+            if fresh:
+                have = {mv.tags["streamtune.version_id"] for mv in registered(client, model_id)}
+                missing = [v for v in fresh if v not in have]
+                if missing:
+                    return missing[0]
+        raise AssertionError(f"no committed version seen unregistered within {timeout} s")
+    finally:
+        consumer.close()
 
 
 @pytest.mark.slow
