@@ -49,7 +49,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         for shape, s in trainer["shapes"].items():
             goal = f"≥ 0.90: {verdict(s['ratio'], 0.9, at_most=False)}" if shape == "30m" else "(fixed per-window cost)"
             out.append(("trainer", f"whole job ÷ bare PEFT loop, `{shape}` ({s['bare_step_ms']:.0f} ms a bare step)",
-                        f"{s['ratio']:.2f} ({s['job_samples_per_s']:.0f} vs {s['bare_samples_per_s']:.0f} samples/s)",
+                        f"{s['ratio']:.3f} ({s['job_samples_per_s']:.1f} vs {s['bare_samples_per_s']:.1f} samples/s)",
                         goal, trainer["date"]))
     else:
         out.append(("trainer", "whole job ÷ bare PEFT loop", "not run", "≥ 0.90", ""))
