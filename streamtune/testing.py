@@ -79,6 +79,18 @@ def wait_for_records(bootstrap: str, topic: str, message: type[M], count: int, t
         time.sleep(1)
 
 
+def committed_reader(bootstrap: str, topic: str):
+    """A read_committed consumer of partition 0 of `topic` from its start, fetching every 20 ms
+    (assign(), not subscribe(): on Tansu a subscription sometimes read nothing for a minute)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                             enable_auto_commit=False, fetch_max_wait_ms=20)
+    consumer.assign([TopicPartition(topic, 0)])
+    consumer.seek_to_beginning()
+    return consumer
+
+
 class CaptureProcess:
     """`streamtune cdc` as a child process that a test can SIGKILL and start again."""
 

@@ -305,13 +305,9 @@ def first_unregistered(bootstrap: str, topic: str, client, model_id: str, timeou
     """The version_id of the first committed version seen before MLflow has it: read as the
     versions commit (20 ms polls), MLflow asked at each new one (registration takes a few
     hundred ms, a full re-read of the topic took longer)."""
-    from kafka import KafkaConsumer, TopicPartition
+    from streamtune.testing import committed_reader
 
-    # assign(), not subscribe(): on Tansu a subscription sometimes read nothing for a minute.
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                             enable_auto_commit=False, fetch_max_wait_ms=20)
-    consumer.assign([TopicPartition(topic, 0)])
-    consumer.seek_to_beginning()
+    consumer = committed_reader(bootstrap, topic)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

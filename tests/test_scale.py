@@ -290,13 +290,9 @@ def test_a_model_whose_data_stops_gets_its_last_version_within_the_bound(stack_c
 
 def first_committed(bootstrap: str, topic: str, predicate, timeout: float) -> VersionRecord:
     """The first committed version matching `predicate`, read as it arrives (100 ms polls)."""
-    from kafka import KafkaConsumer, TopicPartition
+    from streamtune.testing import committed_reader
 
-    # assign(), not subscribe(): on Tansu a subscription sometimes read nothing for a minute.
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                             enable_auto_commit=False, fetch_max_wait_ms=20)
-    consumer.assign([TopicPartition(topic, 0)])
-    consumer.seek_to_beginning()
+    consumer = committed_reader(bootstrap, topic)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
