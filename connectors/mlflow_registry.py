@@ -84,7 +84,7 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
     """
     cache = cache if cache is not None else RegistryCache()
     model_id, version_id = record.model_id, record.version_id
-    if record.seq <= cache.last_seq.get(model_id, 0) or model_id not in cache.last_seq:
+    if model_id not in cache.last_seq or record.seq <= cache.last_seq[model_id]:
         existing = find_version(client, model_id, version_id)
         if existing is not None:
             cache.seen(model_id, record.seq)

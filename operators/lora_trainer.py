@@ -277,10 +277,14 @@ class LoraTrainer:
             if hasattr(module, "reset_lora_parameters") and name in getattr(module, "lora_A", {}):
                 module.reset_lora_parameters(name, True)
 
-    def _batches(self, examples: list, weights: list, size: int):
-        for i in range(0, len(examples), size):
-            batch = collate(examples[i:i + size], self.tokenizer.pad_token_id)
-            yield {k: v.to(self.device) for k, v in batch.items()}, torch.tensor(weights[i:i + size], device=self.device)
+    def _batches(self, examples: list, weights: list, size: int, order: list[int] | None = None):
+        """(the examples' indices, batch, weights) of `size` examples at a time, in `order`."""
+        order = list(range(len(examples))) if order is None else order
+        for i in range(0, len(order), size):
+            idx = order[i:i + size]
+            batch = collate([examples[j] for j in idx], self.tokenizer.pad_token_id)
+            yield (idx, {k: v.to(self.device) for k, v in batch.items()},
+                   torch.tensor([weights[j] for j in idx], device=self.device))
 
     def _loss(self, batch: dict, weights: torch.Tensor, total_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted mean over samples of each sample's mean token loss (over `total_weight`
@@ -307,7 +311,7 @@ class LoraTrainer:
     def _mean_loss(self, examples: list, weights: list, training: TrainingConfig) -> float:
         self.model.eval()
         total, weight = 0.0, 0.0
-        for batch, w in self._batches(examples, weights, training.micro_batch_size):
+        for _, batch, w in self._batches(examples, weights, training.micro_batch_size):
             with self._autocast(training):
                 total += float(self._loss(batch, w)) * float(w.sum())
             weight += float(w.sum())
@@ -319,7 +323,7 @@ class LoraTrainer:
         self.model.eval()
         squares = {n: torch.zeros_like(p) for n, p in params}
         batches = 0
-        for batch, w in self._batches(examples, weights, training.micro_batch_size):
+        for _, batch, w in self._batches(examples, weights, training.micro_batch_size):
             if float(w.sum()) == 0.0:
                 continue
             self.model.zero_grad(set_to_none=True)
@@ -350,16 +354,11 @@ class LoraTrainer:
         scaler = torch.amp.GradScaler(enabled=training.precision == "fp16" and self.device.type == "cuda")
         optimizer.zero_grad(set_to_none=True)
         micro_batches = []  # (pass, the examples' indices, batch, weights)
-        size = training.micro_batch_size
         for epoch in range(training.epochs):
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-            for i in range(0, len(order), size):
-                idx = order[i:i + size]
-                if sum(weights[j] for j in idx) == 0.0:
-                    continue  # all rejected: nothing to learn from it
-                batch = collate([examples[j] for j in idx], self.tokenizer.pad_token_id)
-                micro_batches.append((epoch, idx, {k: v.to(self.device) for k, v in batch.items()},
-                                      torch.tensor([weights[j] for j in idx], device=self.device)))
+            micro_batches += [(epoch, idx, batch, w)
+                              for idx, batch, w in self._batches(examples, weights, training.micro_batch_size, order)
+                              if float(w.sum()) != 0.0]  # all rejected: nothing to learn from it
         # [first pass, last pass] x [loss sum, weight], on the device: no sync per micro-batch
         seen = torch.zeros(2, 2, device=self.device)
         for first in range(0, len(micro_batches), training.flush_every):

@@ -84,7 +84,7 @@ class RegistrationFunction(KeyedProcessFunction):
         self.store = ArtifactStore(self.artifact_store, self.tracking_uri)
         # One thread: registrations stay in order, and MLflow sees one writer per worker.
         self.registrar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamtune-register")
-        self.inflight: dict[str, Future] = {}  # version_id -> its registration
+        self.inflight: dict[tuple, Future] = {}  # (topic, partition, offset) -> its registration
         self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
         # (due ms, backoff ms): the one pending timer of this model, a poll (backoff 0) or a retry
         self.timer = runtime_context.get_state(ValueStateDescriptor("timer", Types.PICKLED_BYTE_ARRAY()))
@@ -112,24 +112,25 @@ class RegistrationFunction(KeyedProcessFunction):
         backoff_ms = timer[1]
         queue = self.queue.value() or []
         while queue:
-            payload = queue[0][0]
-            record = VersionRecord.from_json(payload)  # checked before it was queued
-            future = self.inflight.get(record.version_id) or self._submit(queue[0])
+            entry = queue[0]  # (payload, topic, partition, offset, ts)
+            future = self._submit(entry)
             if not future.done():
                 self._arm(ctx, POLL_MS, backoff_ms)
                 return
-            del self.inflight[record.version_id]
+            del self.inflight[entry[1:4]]
             try:
                 created, broadcast = future.result()
             except ArtifactIntegrityError as e:
+                record = VersionRecord.from_json(entry[0])  # checked before it was queued
                 self.counters.inc("integrity_failures")
                 log.error("version %s not registered: %s", record.version_id, e)
-                yield DLQ_TAG, dead_letter("artifact_integrity", str(e), *queue[0], "version", record.model_id)
+                yield DLQ_TAG, dead_letter("artifact_integrity", str(e), *entry, "version", record.model_id)
             except Exception as e:  # MLflow or the store unreachable: retry later, in order
                 self.counters.inc("registration_retries")
                 wait = min(max(backoff_ms * 2, RETRY_FIRST_MS), RETRY_MAX_MS)
-                log.warning("registering %s failed (%s: %s); retrying in %d ms", record.version_id,
-                            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", wait)
+                log.warning("registering %s failed (%s: %s); retrying in %d ms",
+                            VersionRecord.from_json(entry[0]).version_id, type(e).__name__,
+                            str(e).splitlines()[0][:300] if str(e) else "", wait)
                 self._arm(ctx, wait, backoff_ms=wait)  # the retry submits the head again
                 return
             else:
@@ -148,15 +149,18 @@ class RegistrationFunction(KeyedProcessFunction):
         ctx.timer_service().register_processing_time_timer(due)
 
     def _submit(self, entry: tuple) -> Future:
-        record = VersionRecord.from_json(entry[0])
-        if record.version_id not in self.inflight:
-            self.inflight[record.version_id] = self.registrar.submit(self._register, record)
-        return self.inflight[record.version_id]
+        """The registration of queue entry `entry`, started if it is not running: keyed by its
+        source position, so a poll does not parse the record again."""
+        key = entry[1:4]  # (topic, partition, offset)
+        if key not in self.inflight:
+            self.inflight[key] = self.registrar.submit(self._register, entry[0])
+        return self.inflight[key]
 
-    def _register(self, record: VersionRecord) -> tuple[bool, str]:
+    def _register(self, payload: str) -> tuple[bool, str]:
         """In the registration thread: (created, the broadcast's JSON)."""
         from connectors.mlflow_registry import broadcast_for, register_version
 
+        record = VersionRecord.from_json(payload)
         with span("streamtune.register", model_id=record.model_id, version_id=record.version_id,
                   samples=len(record.lineage.sample_ids)) as traced:
             mv, created = register_version(self.client, record, self.store, self.registry_cache)
