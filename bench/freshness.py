@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -46,12 +45,12 @@ import requests  # noqa: E402
 from kafka import KafkaConsumer  # noqa: E402
 
 from core.messages import AdapterVersionBroadcast, FeedbackSample, VersionRecord  # noqa: E402
-from streamtune.demo import quiet_libraries  # noqa: E402
+from streamtune.demo import DemoServer, quiet_libraries  # noqa: E402
 from streamtune.feedback import producer, send_config  # noqa: E402
-from streamtune.local_job import kill_group, spawn_logged  # noqa: E402
+from streamtune.local_job import kill_group  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
 from streamtune.stack.flink import cancel_job, job_state, submit_detached  # noqa: E402
-from streamtune.testing import free_port, job_args, job_topics, spec  # noqa: E402
+from streamtune.testing import job_args, job_topics, spec  # noqa: E402
 from streamtune.tinymodel import build_tiny_llama, digit_pairs  # noqa: E402
 
 WINDOW_S, PER_WINDOW, WARM_UP_WINDOWS = 1, 8, 3
@@ -106,13 +105,9 @@ def main() -> None:
     send_config(config.kafka_bootstrap, topics["configs"],
                 spec(model_id, topics, min_samples=1, window_seconds=WINDOW_S), int(time.time() * 1000))
     tmp = Path(tempfile.mkdtemp(prefix="bench-fresh-"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = spawn_logged([sys.executable, "-m", "streamtune.cli", "serve", "--port", str(port), "--base-model",
-                           str(base), "--artifact-store", str(tmp / "adapters"), "--bootstrap",
-                           config.kafka_bootstrap, "--tracking-uri", config.mlflow_uri, "--broadcast-topics",
-                           re.escape(topics["adapter-versions"]), "--no-inference-log", "--no-auto-rollback"],
-                          tmp / "serve.log")
+    server = DemoServer(config, base, topics["adapter-versions"], tmp / "serve.log", tmp / "adapters",
+                        ("--no-inference-log",))
+    url = server.url
     stop = threading.Event()
     committed = Watcher(config.kafka_bootstrap, topics["versions"], VersionRecord.from_json, stop)
     broadcast = Watcher(config.kafka_bootstrap, topics["adapter-versions"], AdapterVersionBroadcast.from_json, stop)
@@ -136,14 +131,7 @@ def main() -> None:
     asker = threading.Thread(target=ask, daemon=True)
     job_id = None
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
+        server.wait_ready(120)
         job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", job_args(
             topics, base, tmp / "adapters", "--bootstrap", config.kafka_bootstrap,
             "--checkpoint-interval-ms", str(args.checkpoint_ms), "--job-name", f"fresh-{u}"))
@@ -179,7 +167,7 @@ def main() -> None:
         stop.set()
         if job_id:
             cancel_job(config, job_id)
-        kill_group(server)
+        kill_group(server.proc)
 
     measured = [v for v in broadcast.seen if window_end_ms(v) / 1000 > measured_from[0] and v in committed.seen]
     if len(measured) < 3:

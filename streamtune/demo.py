@@ -72,7 +72,8 @@ def champion_exact_match(config: StackConfig, model_id: str, base_dir: Path, hel
 class DemoServer:
     """`streamtune serve` for the demo's broadcast topic, as a child process."""
 
-    def __init__(self, config: StackConfig, base_dir: Path, topic: str, log_file: Path):
+    def __init__(self, config: StackConfig, base_dir: Path, topic: str, log_file: Path,
+                 artifact_store: Path | None = None, extra_args: tuple[str, ...] = ()):
         import re
         import sys
 
@@ -83,7 +84,8 @@ class DemoServer:
         self.proc = spawn_logged([sys.executable, "-m", "streamtune.cli", "serve", "--port", self.url.rsplit(":", 1)[1],
                                   "--base-model", str(base_dir), "--bootstrap", config.kafka_bootstrap,
                                   "--tracking-uri", config.mlflow_uri, "--broadcast-topics", re.escape(topic),
-                                  "--artifact-store", str(config.data_dir / "adapters"), "--no-auto-rollback"],
+                                  "--artifact-store", str(artifact_store or config.data_dir / "adapters"),
+                                  "--no-auto-rollback", *extra_args],
                                  log_file)
         self.log_file = log_file
 
