@@ -102,13 +102,14 @@ class FinetuneFunction(KeyedProcessFunction):
         from operators.lora_trainer import LoraTrainer, place_on_gpu, threads_from_env
 
         self.store = ArtifactStore(self.settings.artifact_store, self.settings.tracking_uri)
-        # A restore fires past-due processing-time timers at once, before the backlog (which
-        # may hold the config) is read: grace periods count running time from here.
-        self.opened_at = int(time.time() * 1000)
         threads_from_env()
         place_on_gpu(runtime_context.get_index_of_this_subtask())
         if Path(self.settings.default_base_model, "config.json").exists():
             LoraTrainer.for_base(self.settings.default_base_model)  # load once, before the first window
+        # A restore fires past-due processing-time timers at once, before the backlog (which
+        # may hold the config) is read: grace periods and idle timers count running time from
+        # here, once the base model is loaded (seconds on a loaded machine).
+        self.opened_at = int(time.time() * 1000)
 
         for attribute, name in self.KEYED_STATE.items():
             setattr(self, attribute, runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())))
