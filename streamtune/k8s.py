@@ -193,7 +193,7 @@ def flink_deployment(pipeline: Pipeline, gpu: bool = False, image: str = IMAGE) 
                      "flinkConfiguration": flink_configuration(gpu),
                      "podTemplate": {"spec": {"containers": [main], "volumes": volumes}},
                      "jobManager": {"replicas": 1, "resource": {"memory": "1024m", "cpu": 1}},
-                     "taskManager": {"resource": {"memory": "3072m", "cpu": 2}, "podTemplate": {"spec": tm_spec}},
+                     "taskManager": {"resource": {"memory": "3584m", "cpu": 2}, "podTemplate": {"spec": tm_spec}},
                      "job": _job(PYTHON_JAR, pipeline)}}
 
 
