@@ -36,13 +36,15 @@ def topics_for(bootstrap: str, prefix: str) -> dict:
     return topics
 
 
-def retrain_job(topics: dict, mapping: dict, base_model, tmp: Path, bootstrap: str, name: str) -> LocalJob:
+def retrain_job(topics: dict, mapping: dict, base_model, tmp: Path, bootstrap: str, name: str,
+                parallelism: int = 1) -> LocalJob:
     (tmp / "mapping.json").write_text(json.dumps(mapping))
     args = ["--cdc-topic", topics["pg"], "--cdc-topic", topics["mongo"], "--mapping", str(tmp / "mapping.json"),
             "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
             "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
             "--base-model", str(base_model), "--artifact-store", str(tmp / "adapters"),
-            "--bootstrap", bootstrap, "--checkpoint-interval-ms", "1000", "--job-name", name]
+            "--bootstrap", bootstrap, "--checkpoint-interval-ms", "1000", "--job-name", name,
+            "--parallelism", str(parallelism)]
     return LocalJob(args, tmp / "checkpoints", tmp / "job.log", module="jobs.cdc_retrain")
 
 
@@ -69,8 +71,13 @@ def mongo(stack_config):
 
 
 @pytest.mark.deploy
-def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
-    """psql rows and pymongo documents → samples → versions in MLflow whose lineage names LSNs and tokens."""
+@pytest.mark.parametrize("parallelism", [1, pytest.param(2, marks=[pytest.mark.scale, pytest.mark.slow])])
+def test_changes_become_versions(stack_config, base_model, mongo, tmp_path, parallelism):
+    """psql rows and pymongo documents → samples → versions in MLflow whose lineage names LSNs and tokens.
+
+    At parallelism 2 each operator runs twice over: a row's update still supersedes its insert
+    and its delete still retracts it (the row-changes step is keyed by row), so the versions
+    hold the same rows."""
     from mlflow import MlflowClient
 
     u = f"{time.time_ns() % 10**9:x}"
@@ -92,7 +99,7 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path):
                        boot, topics["offsets"]).start(),
         CaptureProcess(f"{stack_config.mongo_uri}&db={db}&collection=reviews", f"mongo-{u}", topics["mongo"],
                        tmp_path / "mongo.log", boot, topics["offsets"]).start()]
-    job = retrain_job(topics, mapping, base_model, tmp_path, boot, f"cdc-{u}")
+    job = retrain_job(topics, mapping, base_model, tmp_path, boot, f"cdc-{u}", parallelism)
     try:
         captures[0].wait_for_log("created replication slot")
         captures[1].wait_for_log("capturing")
