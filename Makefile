@@ -26,6 +26,7 @@ bench: install
 	$(BIN)/python bench/submit.py
 	$(BIN)/python bench/serving.py
 	$(BIN)/python bench/many_models.py
+	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/report.py
 
 stack-up: install

@@ -60,6 +60,7 @@ class JobConfig:
     checkpoint_dir: Optional[str] = None
     restore_from: Optional[str] = None
     parallelism: Optional[int] = None
+    bundle_time_ms: Optional[int] = None      # Python bundles; None: the job's latency setting
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, job_name: str, **overrides) -> "JobConfig":
@@ -116,6 +117,10 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")
     p.add_argument("--parallelism", type=int, default=None)
+    p.add_argument("--bundle-time-ms", type=int, default=None,
+                   help="how long a Python operator holds records before passing them on (default: the "
+                        "job's latency setting, 5-10 ms; Flink's 1000 trades freshness for throughput, "
+                        "see bench/ingest.py)")
 
 
 # A version passes three Python operators (validate, trainer, registration) and two network
@@ -134,7 +139,8 @@ CONSUMER_PROPERTIES: dict[str, str] = {"fetch.max.wait.ms": "20"}
 
 def environment(job: JobConfig, settings: dict[str, str] | None = None) -> StreamExecutionEnvironment:
     """Exactly-once checkpoints (the cluster's interval, else 10 s), retained on cancellation,
-    watermarks every 50 ms, LATENCY_SETTINGS, then `settings` (a job's own) over them."""
+    watermarks every 50 ms, LATENCY_SETTINGS, then `settings` (a job's own) over them, then
+    --bundle-time-ms."""
     conf = Configuration()
     if job.checkpoint_dir:
         conf.set_string("execution.checkpointing.dir", job.checkpoint_dir)
@@ -144,7 +150,8 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
     # Windows close when the watermark passes them: emit it every 50 ms (Flink's default, 200).
     conf.set_string("pipeline.auto-watermark-interval", "50 ms")
     conf.set_string("execution.checkpointing.num-retained", "3")
-    for key, value in {**LATENCY_SETTINGS, **(settings or {})}.items():
+    bundle = {"python.fn-execution.bundle.time": str(job.bundle_time_ms)} if job.bundle_time_ms else {}
+    for key, value in {**LATENCY_SETTINGS, **(settings or {}), **bundle}.items():
         conf.set_string(key, value)
     env = StreamExecutionEnvironment.get_execution_environment(conf)
     checkpoints = env.get_checkpoint_config()

@@ -1,0 +1,283 @@
+"""Ingest: records/s through the training job's validation and windowing ÷ the same
+aggregation in Flink SQL, on the stack's Flink cluster at parallelism 1, in one run.
+
+One backlog of feedback records in a fresh topic (--models models, event time spread over
+--minutes one-minute windows, one record in --bad-every not JSON) is read by three jobs:
+
+    job               bench/ingest_job.py, submitted with `flink run -py`: the training job's
+                      Kafka source, validation (bad records → the DLQ), key_by(model_id) and
+                      the trainer's own windowing, each window's LoRA step replaced by its count;
+                      with the job's 10 ms Python bundles (jobs/wiring.py LATENCY_SETTINGS)
+    job, 1 s bundles  the same with --bundle-time-ms 1000 (Flink's default): throughput bought
+                      with freshness
+    sql               sql/ddl.sql's `feedback` table and sql/samples_per_model.sql (TUMBLE 1
+                      minute, samples per model), as `streamtune sql` submits it to the
+                      cluster, into a Kafka table with the time each row was emitted
+
+A last sample per model, two windows on, moves the watermark past the last window. Every
+window an arm closed must hold exactly the samples this script sent to it, per model; every
+record that is not JSON and that a job read must be in that job's DLQ. Throughput is the
+steady rate while windows close: the samples of every window after the first ÷ the time from
+the first window's output to the last one's (a window's time is its last model's row), so
+start-up (class loading, Python workers, the first bundle) is out of every figure. A job arm
+stops after --job-seconds of output; SQL reads the whole backlog (it needs it: at ~10^5
+records/s the backlog lasts seconds).
+
+    .venv/bin/python bench/ingest.py [--records 300000] [--models 10] [--minutes 180]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
+
+from connectors.kafka import create_topic  # noqa: E402
+from core.messages import DeadLetter, FeedbackSample  # noqa: E402
+from streamtune.feedback import send_config  # noqa: E402
+from streamtune.stack import StackConfig  # noqa: E402
+from streamtune.stack.flink import cancel_job, submit_detached  # noqa: E402
+from streamtune.testing import job_args, job_topics, spec  # noqa: E402
+
+WINDOW_MS = 60_000  # sql/samples_per_model.sql's TUMBLE; the job's spec gets the same
+T0 = 1_770_000_000_000 // WINDOW_MS * WINDOW_MS
+BAD_RECORD = "{not json"
+
+
+def backlog(models: int, records: int, minutes: int, bad_every: int):
+    """(model_id, value, ts) in send order; the expected counts per (model_id, window_end)."""
+    span = minutes * WINDOW_MS
+    rows, expected = [], Counter()
+    for i in range(records):
+        model, ts = f"m{i % models}", T0 + i * span // records
+        if bad_every and i % bad_every == bad_every - 1:
+            rows.append((model, BAD_RECORD, ts))
+            continue
+        sample = FeedbackSample(model_id=model, sample_id=f"s{i}", prompt=f"x={i % 97};y=",
+                                completion=str(i % 89), label="corrected", ts=ts)
+        rows.append((model, sample.to_json(), ts))
+        expected[(model, (ts // WINDOW_MS + 1) * WINDOW_MS)] += 1
+    closing = T0 + span + 2 * WINDOW_MS  # past the last window: the watermark closes it
+    rows += [(f"m{m}", FeedbackSample(model_id=f"m{m}", sample_id=f"end{m}", prompt="x=0;y=", completion="0",
+                                      label="corrected", ts=closing).to_json(), closing) for m in range(models)]
+    return rows, expected
+
+
+def send(bootstrap: str, topic: str, rows) -> None:
+    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20, batch_size=256 * 1024)
+    for key, value, ts in rows:
+        p.send(topic, key=key.encode(), value=value.encode(), timestamp_ms=ts)
+    p.flush()
+    p.close()
+
+
+def collect(bootstrap: str, topic: str, parse, total: int, timeout: float, what: str,
+            budget: float | None = None) -> list[dict]:
+    """Rows of `topic` until their samples add up to `total`, or until `budget` seconds after
+    the first row; progress every 15 s."""
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             enable_auto_commit=False, isolation_level="read_committed")
+    rows, counted, first = [], 0, None
+    deadline, report = time.monotonic() + timeout, time.monotonic() + 15
+    try:
+        while counted < total and (first is None or budget is None or time.monotonic() - first < budget):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what}: {counted} of {total} samples counted after {timeout:.0f} s")
+            for records in consumer.poll(timeout_ms=500).values():
+                for r in records:
+                    rows.append(parse(r.value))
+                    counted += rows[-1]["samples"]
+                    first = first or time.monotonic()
+            if time.monotonic() > report:
+                print(f"  {what}: {counted} / {total} samples counted", flush=True)
+                report += 15
+    finally:
+        consumer.close()
+    return rows
+
+
+def iso_ms(text: str) -> int:
+    """Flink's ISO-8601 JSON timestamps: TIMESTAMP(3) without a zone (UTC here), LTZ with Z."""
+    t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return int((t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+
+
+def parse_sql_row(value: bytes) -> dict:
+    row = json.loads(value)
+    return {"model_id": row["model_id"], "window_end": iso_ms(row["window_end"]), "samples": row["samples"],
+            "emitted_ms": iso_ms(row["emitted_at"])}
+
+
+def steady_rate(rows: list[dict]) -> dict:
+    """Samples of the windows after the first ÷ the time their outputs took."""
+    closed: dict[int, int] = {}
+    samples: Counter = Counter()
+    for r in rows:
+        closed[r["window_end"]] = max(closed.get(r["window_end"], 0), r["emitted_ms"])
+        samples[r["window_end"]] += r["samples"]
+    ends = sorted(closed)
+    if len(ends) < 3:
+        raise SystemExit("fewer than 3 windows: raise --minutes")
+    seconds = (closed[ends[-1]] - closed[ends[0]]) / 1000
+    counted = sum(samples[e] for e in ends[1:])
+    return {"records_per_s": round(counted / seconds, 1), "samples": counted, "seconds": round(seconds, 2),
+            "windows": len(ends)}
+
+
+def per_window(rows: list[dict]) -> Counter:
+    c: Counter = Counter()
+    for r in rows:
+        c[(r["model_id"], r["window_end"])] += r["samples"]
+    return c
+
+
+def run_job(config: StackConfig, topics: dict, counts_topic: str, total: int, timeout: float,
+            bundle_ms: int | None, budget: float, bad_before) -> tuple[list, str, Counter]:
+    """The job until `budget` seconds of output (or the whole backlog); then its dead letters
+    of the records before the last closed window, once a checkpoint commits them."""
+    args = job_args(topics, "/no-base-model", tempfile.mkdtemp(prefix="streamtune-ingest-"), "--parallelism", "1",
+                    "--no-register", "--counts-topic", counts_topic, "--checkpoint-interval-ms", "2000",
+                    *(["--bundle-time-ms", str(bundle_ms)] if bundle_ms else []))
+    job_id = submit_detached(config, REPO / "bench" / "ingest_job.py", args)
+    print(f"job {job_id} (bench/ingest_job.py, bundles {bundle_ms or 'the job default'} ms) on the cluster",
+          flush=True)
+    try:
+        rows = collect(config.kafka_bootstrap, counts_topic, json.loads, total, timeout, "job", budget)
+        expected_bad = bad_before(max(r["window_end"] for r in rows))
+        return rows, job_id, dead_letters(config.kafka_bootstrap, topics["dlq"], expected_bad, 60)
+    finally:
+        cancel_job(config, job_id)
+
+
+def run_sql(config: StackConfig, topics: dict, counts_topic: str, total: int, timeout: float) -> tuple[list, str]:
+    from streamtune.sqlclient.runner import new_table_env, read_sql, run_statements
+
+    t_env = new_table_env(cluster=True, udfs=False)
+    variables = {"bootstrap": config.kafka_bootstrap, "feedback_topic": topics["feedback"],
+                 "startup_mode": "earliest-offset", "lateness_seconds": "0"}
+    run_statements(read_sql(REPO / "sql" / "ddl.sql"), variables, t_env, udfs=False)
+    query = re.sub(r"--[^\n]*", "", read_sql(REPO / "sql" / "samples_per_model.sql")).strip().rstrip(";")
+    t_env.execute_sql(f"""
+        CREATE TEMPORARY TABLE ingest_counts (
+          model_id STRING, window_end TIMESTAMP(3), samples BIGINT, emitted_at TIMESTAMP_LTZ(3)
+        ) WITH ('connector' = 'kafka', 'topic' = '{counts_topic}',
+                'properties.bootstrap.servers' = '{config.kafka_bootstrap}',
+                'format' = 'json', 'json.timestamp-format.standard' = 'ISO-8601')""")
+    result = t_env.execute_sql(
+        f"INSERT INTO ingest_counts SELECT model_id, window_end, samples, CURRENT_ROW_TIMESTAMP() FROM ({query})")
+    job_id = str(result.get_job_client().get_job_id())
+    print(f"job {job_id} (sql/samples_per_model.sql) on the cluster", flush=True)
+    try:
+        return collect(config.kafka_bootstrap, counts_topic, parse_sql_row, total, timeout, "sql"), job_id
+    finally:
+        cancel_job(config, job_id)
+
+
+def dead_letters(bootstrap: str, topic: str, expect: int, timeout: float) -> Counter:
+    """The job's DLQ (exactly-once: visible once a checkpoint completes) by reason."""
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             enable_auto_commit=False, isolation_level="read_committed")
+    reasons: Counter = Counter()
+    deadline = time.monotonic() + timeout
+    try:
+        while sum(reasons.values()) < expect and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=500).values():
+                for r in records:
+                    reasons[DeadLetter.from_json(r.value.decode()).reason] += 1
+    finally:
+        consumer.close()
+    return reasons
+
+
+def check_counts(arm: str, rows: list[dict], expected: Counter) -> None:
+    """Every window up to the last one closed holds exactly what was sent (a job arm may stop
+    before the backlog ends)."""
+    got, last = per_window(rows), max(r["window_end"] for r in rows)
+    wanted = Counter({k: n for k, n in expected.items() if k[1] <= last})
+    if got != wanted:
+        wrong = sorted(k for k in set(got) | set(wanted) if got[k] != wanted[k])[:5]
+        raise SystemExit(f"{arm}: counts differ from what was sent, e.g. {[(k, got[k], wanted[k]) for k in wrong]}")
+
+
+ARMS = (("job", 0), ("job, 1 s bundles", 1000), ("sql", None))
+
+
+def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: float, timeout: float,
+         out: Path) -> dict:
+    config = StackConfig.from_env()
+    u = f"{time.time_ns() % 10**9:x}"
+    topics = job_topics(config.kafka_bootstrap, f"bench.ingest-{u}")
+    for m in range(models):
+        send_config(config.kafka_bootstrap, topics["configs"],
+                    spec(f"m{m}", topics, min_samples=1, window_seconds=WINDOW_MS // 1000), T0 - 1)
+    rows, expected = backlog(models, records, minutes, bad_every)
+    bad_ts = [ts for _, value, ts in rows if value == BAD_RECORD]
+    total = sum(expected.values())
+    started = time.monotonic()
+    send(config.kafka_bootstrap, topics["feedback"], rows)
+    print(f"{len(rows)} records in {topics['feedback']} ({total} samples in {len(expected)} model windows, "
+          f"{len(bad_ts)} not JSON) in {time.monotonic() - started:.1f} s", flush=True)
+
+    arms = {}
+    for n, (arm, bundle_ms) in enumerate(ARMS):
+        counts_topic = f"bench.ingest-{u}.counts-{n}"
+        create_topic(config.kafka_bootstrap, counts_topic)
+        if bundle_ms is None:
+            out_rows, job_id = run_sql(config, topics, counts_topic, total, timeout)
+            extra = {}
+        else:
+            arm_topics = {**topics, "dlq": f"bench.ingest-{u}.dlq-{n}"}
+            create_topic(config.kafka_bootstrap, arm_topics["dlq"])
+            out_rows, job_id, reasons = run_job(config, arm_topics, counts_topic, total, timeout, bundle_ms or None,
+                                                job_seconds, lambda end: sum(ts < end for ts in bad_ts))
+            last = max(r["window_end"] for r in out_rows)
+            owed = sum(ts < last for ts in bad_ts)
+            if set(reasons) - {"bad_json"} or sum(reasons.values()) < owed:
+                raise SystemExit(f"{arm}: dead letters {dict(reasons)}; {owed} records before {last} were not JSON")
+            extra = {"bundle_ms": bundle_ms or 10, "dead_lettered": sum(reasons.values()), "bad_read": owed}
+        check_counts(arm, out_rows, expected)
+        arms[arm] = {"job_id": job_id, **steady_rate(out_rows), **extra}
+        print(f"  {arm}: {arms[arm]['records_per_s']:.0f} records/s ({arms[arm]['samples']} samples of "
+              f"{arms[arm]['windows'] - 1} windows in {arms[arm]['seconds']} s); counts match what was sent",
+              flush=True)
+
+    sql = arms["sql"]["records_per_s"]
+    ratios = {arm: round(a["records_per_s"] / sql, 4) for arm, a in arms.items() if arm != "sql"}
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.machine()})",
+              "records": records, "models": models, "minutes": minutes, "bad_records": len(bad_ts),
+              "parallelism": 1, "arms": arms, "ratio_over_sql": ratios}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("\ningest at parallelism 1, records/s while windows close (no goal set; issue 15 asks for the ratio):")
+    for arm, a in arms.items():
+        ratio = f"{ratios[arm]:.4f} of SQL" if arm in ratios else ""
+        print(f"  {arm:<18} {a['records_per_s']:>10.0f}   {ratio}")
+    print("  every window's count matches what was sent; every record not JSON that a job read is in its DLQ\n"
+          f"results: {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+    return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=int, default=300_000)
+    p.add_argument("--models", type=int, default=10)
+    p.add_argument("--minutes", type=int, default=180, help="event-time span, in one-minute windows")
+    p.add_argument("--bad-every", type=int, default=100, help="one record in this many is not JSON (0: none)")
+    p.add_argument("--job-seconds", type=float, default=60,
+                   help="a job arm stops after this long of output (SQL reads the whole backlog)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds each arm may take")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ingest.json")
+    a = p.parse_args()
+    main(a.records, a.models, a.minutes, a.bad_every, a.job_seconds, a.timeout, a.out)

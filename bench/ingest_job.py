@@ -1,0 +1,62 @@
+"""The ingest benchmark's job (bench/ingest.py submits it with `flink run -py`).
+
+The training job's front, as jobs/stream_finetune.py wires it: the Kafka source (feedback
+and config topics, read_committed, event time), validation with its dead letters,
+key_by(model_id) and the trainer's own windowing (operators/finetune_function.py: keyed
+pending state, event-time and idle timers, carry-over, step chunks). Only a window's step is
+replaced, by its sample count and the wall time it fired, so the figure is ingest alone:
+bench/trainer_overhead.py measures the step.
+
+    flink run -py bench/ingest_job.py --counts-topic T --feedback-topic F --config-topic C --dlq-topic D ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyflink.common import Types  # noqa: E402
+
+from connectors.flink_kafka import at_least_once_sink  # noqa: E402
+from jobs.wiring import (JobConfig, add_job_arguments, environment, kafka_rows, sink_dead_letters,  # noqa: E402
+                         table_environment)
+from operators.finetune_function import FinetuneFunction  # noqa: E402
+from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction  # noqa: E402
+
+
+class WindowCounts(FinetuneFunction):
+    """The trainer's windowing; a fired step yields its count instead of a version."""
+
+    def _fire(self, model_id, spec, cfg, batch, end, trigger):
+        yield json.dumps({"model_id": model_id, "window_end": end, "samples": len(batch),
+                          "emitted_ms": int(time.time() * 1000)})
+
+
+def build(env, job: JobConfig, feedback_topic: str, counts_topic: str) -> None:
+    t_env = table_environment(env)
+    rows = kafka_rows(t_env, job, "ingest_input", [feedback_topic, job.config_topic])
+    validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
+                                              job.max_record_bytes),
+                             output_type=VALID_TYPE).name("validate").uid("validate")
+    counts = (validated.key_by(lambda r: r[1], key_type=Types.STRING())
+              .process(WindowCounts(job.trainer_settings()), output_type=Types.STRING())
+              .name("windowing").uid("windowing"))
+    counts.sink_to(at_least_once_sink(job.bootstrap, counts_topic)).name("counts-sink").uid("counts-sink")
+    sink_dead_letters([validated.get_side_output(DLQ_TAG), counts.get_side_output(DLQ_TAG)], job)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_job_arguments(parser)
+    parser.add_argument("--feedback-topic", required=True)
+    parser.add_argument("--counts-topic", required=True)
+    args = parser.parse_args()
+    job = JobConfig.from_args(args, "streamtune-bench-ingest", register=False)
+    env = environment(job)
+    build(env, job, args.feedback_topic, args.counts_topic)
+    env.execute(job.job_name)
