@@ -1,8 +1,8 @@
 """Ingest: records/s through the training job's validation and windowing ÷ the same
 aggregation in Flink SQL, on the stack's Flink cluster at parallelism 1, in one run.
 
-One backlog of feedback records in a fresh topic (--models models, event time spread over
---minutes one-minute windows, one record in --bad-every not JSON) is read by three jobs:
+The same backlog of feedback records (--models models, event time spread over --minutes
+one-minute windows, one record in --bad-every not JSON) goes to each arm's own topics:
 
     job               bench/ingest_job.py, submitted with `flink run -py`: the training job's
                       Kafka source, validation (bad records → the DLQ), key_by(model_id) and
@@ -14,6 +14,9 @@ One backlog of feedback records in a fresh topic (--models models, event time sp
                       minute, samples per model), as `streamtune sql` submits it to the
                       cluster, into a Kafka table with the time each row was emitted
 
+A job arm starts on an empty feedback topic and gets the backlog once its trainer has read
+the configs (a backlog already there can be read before them, and the 30 s unknown-model
+grace then sends its samples to the DLQ); SQL needs no config and gets the backlog first.
 A last sample per model, two windows on, moves the watermark past the last window. Every
 window an arm closed must hold exactly the samples this script sent to it, per model; every
 record that is not JSON and that a job read must be in that job's DLQ. Throughput is the
@@ -49,7 +52,7 @@ from core.messages import DeadLetter, FeedbackSample  # noqa: E402
 from streamtune.feedback import send_config  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
 from streamtune.stack.flink import cancel_job, submit_detached  # noqa: E402
-from streamtune.testing import job_args, job_topics, spec  # noqa: E402
+from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for  # noqa: E402
 
 WINDOW_MS = 60_000  # sql/samples_per_model.sql's TUMBLE; the job's spec gets the same
 T0 = 1_770_000_000_000 // WINDOW_MS * WINDOW_MS
@@ -143,26 +146,39 @@ def per_window(rows: list[dict]) -> Counter:
     return c
 
 
-def run_job(config: StackConfig, topics: dict, counts_topic: str, total: int, timeout: float,
-            bundle_ms: int | None, budget: float, bad_before) -> tuple[list, str, Counter]:
-    """The job until `budget` seconds of output (or the whole backlog); then its dead letters
-    of the records before the last closed window, once a checkpoint commits them."""
+def run_job(config: StackConfig, topics: dict, counts_topic: str, rows: list, total: int, models: int,
+            timeout: float, bundle_ms: int | None, budget: float, bad_before) -> tuple[list, str, Counter]:
+    """Start the job on its (empty) feedback topic, wait until its trainer has every config,
+    send the backlog, read its counts for `budget` seconds of output (or the whole backlog);
+    then its dead letters of the records before the last closed window, once a checkpoint
+    commits them."""
+    job_name = f"streamtune-bench-ingest-{counts_topic.rsplit('-', 1)[-1]}-{time.time_ns() % 10**6:x}"
     args = job_args(topics, "/no-base-model", tempfile.mkdtemp(prefix="streamtune-ingest-"), "--parallelism", "1",
                     "--no-register", "--counts-topic", counts_topic, "--checkpoint-interval-ms", "2000",
-                    *(["--bundle-time-ms", str(bundle_ms)] if bundle_ms else []))
+                    "--job-name", job_name, *(["--bundle-time-ms", str(bundle_ms)] if bundle_ms else []))
     job_id = submit_detached(config, REPO / "bench" / "ingest_job.py", args)
     print(f"job {job_id} (bench/ingest_job.py, bundles {bundle_ms or 'the job default'} ms) on the cluster",
           flush=True)
     try:
-        rows = collect(config.kafka_bootstrap, counts_topic, json.loads, total, timeout, "job", budget)
-        expected_bad = bad_before(max(r["window_end"] for r in rows))
-        return rows, job_id, dead_letters(config.kafka_bootstrap, topics["dlq"], expected_bad, 60)
+        # A backlog already there when the job starts may be read before the configs: seen
+        # at 300,000 records, where every sample went to the DLQ as unknown_model after the
+        # 30 s grace. The configs first, as a running job reads them.
+        wait_for(lambda: sum(scrape_prometheus(config.host, job_name).get(("windowing", "numRecordsIn"), [])) >= models,
+                 300, "the trainer to read the configs")
+        send(config.kafka_bootstrap, topics["feedback"], rows)
+        rows_out = collect(config.kafka_bootstrap, counts_topic, json.loads, total, timeout, "job", budget)
+        expected_bad = bad_before(max(r["window_end"] for r in rows_out))
+        return rows_out, job_id, dead_letters(config.kafka_bootstrap, topics["dlq"], expected_bad, 60)
     finally:
         cancel_job(config, job_id)
 
 
-def run_sql(config: StackConfig, topics: dict, counts_topic: str, total: int, timeout: float) -> tuple[list, str]:
+def run_sql(config: StackConfig, topics: dict, counts_topic: str, rows: list, total: int,
+            timeout: float) -> tuple[list, str]:
+    """The backlog first, then the query: SQL needs no config."""
     from streamtune.sqlclient.runner import new_table_env, read_sql, run_statements
+
+    send(config.kafka_bootstrap, topics["feedback"], rows)
 
     t_env = new_table_env(cluster=True, udfs=False)
     variables = {"bootstrap": config.kafka_bootstrap, "feedback_topic": topics["feedback"],
@@ -218,30 +234,27 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
          out: Path) -> dict:
     config = StackConfig.from_env()
     u = f"{time.time_ns() % 10**9:x}"
-    topics = job_topics(config.kafka_bootstrap, f"bench.ingest-{u}")
-    for m in range(models):
-        send_config(config.kafka_bootstrap, topics["configs"],
-                    spec(f"m{m}", topics, min_samples=1, window_seconds=WINDOW_MS // 1000), T0 - 1)
     rows, expected = backlog(models, records, minutes, bad_every)
     bad_ts = [ts for _, value, ts in rows if value == BAD_RECORD]
     total = sum(expected.values())
-    started = time.monotonic()
-    send(config.kafka_bootstrap, topics["feedback"], rows)
-    print(f"{len(rows)} records in {topics['feedback']} ({total} samples in {len(expected)} model windows, "
-          f"{len(bad_ts)} not JSON) in {time.monotonic() - started:.1f} s", flush=True)
+    print(f"backlog: {len(rows)} records ({total} samples in {len(expected)} model windows, {len(bad_ts)} not "
+          "JSON), sent to each arm's own feedback topic", flush=True)
 
     arms = {}
     for n, (arm, bundle_ms) in enumerate(ARMS):
-        counts_topic = f"bench.ingest-{u}.counts-{n}"
+        topics = job_topics(config.kafka_bootstrap, f"bench.ingest-{u}-{n}")
+        counts_topic = f"bench.ingest-{u}-{n}.counts"
         create_topic(config.kafka_bootstrap, counts_topic)
         if bundle_ms is None:
-            out_rows, job_id = run_sql(config, topics, counts_topic, total, timeout)
+            out_rows, job_id = run_sql(config, topics, counts_topic, rows, total, timeout)
             extra = {}
         else:
-            arm_topics = {**topics, "dlq": f"bench.ingest-{u}.dlq-{n}"}
-            create_topic(config.kafka_bootstrap, arm_topics["dlq"])
-            out_rows, job_id, reasons = run_job(config, arm_topics, counts_topic, total, timeout, bundle_ms or None,
-                                                job_seconds, lambda end: sum(ts < end for ts in bad_ts))
+            for m in range(models):
+                send_config(config.kafka_bootstrap, topics["configs"],
+                            spec(f"m{m}", topics, min_samples=1, window_seconds=WINDOW_MS // 1000), T0 - 1)
+            out_rows, job_id, reasons = run_job(config, topics, counts_topic, rows, total, models, timeout,
+                                                bundle_ms or None, job_seconds,
+                                                lambda end: sum(ts < end for ts in bad_ts))
             last = max(r["window_end"] for r in out_rows)
             owed = sum(ts < last for ts in bad_ts)
             if set(reasons) - {"bad_json"} or sum(reasons.values()) < owed:
@@ -277,7 +290,7 @@ if __name__ == "__main__":
     p.add_argument("--bad-every", type=int, default=100, help="one record in this many is not JSON (0: none)")
     p.add_argument("--job-seconds", type=float, default=60,
                    help="a job arm stops after this long of output (SQL reads the whole backlog)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds each arm may take")
+    p.add_argument("--timeout", type=float, default=600, help="seconds each arm may take")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ingest.json")
     a = p.parse_args()
     main(a.records, a.models, a.minutes, a.bad_every, a.job_seconds, a.timeout, a.out)

@@ -127,11 +127,17 @@ def plots() -> list[Path]:
             v = s["versions"]
             loss.plot([x["loss_before"] for x in v], label=f"{shape}: loss before")
             loss.plot([x["loss_after"] for x in v], label=f"{shape}: loss after")
-            pairs = list(zip(v, v[1:]))
-            rate.plot([b["t_s"] for _, b in pairs], [b["samples"] / max(b["t_s"] - a["t_s"], 1e-3) for a, b in pairs],
-                      label=f"{shape} (bare: {s['bare_samples_per_s']:.0f})")
+            # Versions come out in bursts (bench/trainer_overhead.py): samples done over time,
+            # the bare loop's rate beside it, rather than a rate per version.
+            backlog = v[1:]  # the first version started the job, before the clock
+            done = [sum(x["samples"] for x in backlog[:i + 1]) for i in range(len(backlog))]
+            line, = rate.step([0] + [x["t_s"] for x in backlog], [0] + done, where="post", label=f"{shape}: job")
+            end = backlog[-1]["t_s"] if backlog else 0
+            rate.plot([0, end], [0, s["bare_samples_per_s"] * end], linestyle=":", color=line.get_color(),
+                      label=f"{shape}: bare loop's rate")
         loss.set(xlabel="version", ylabel="loss", title="Loss per version")
-        rate.set(xlabel="seconds", ylabel="samples/s", title="Job throughput per version", yscale="log")
+        rate.set(xlabel="seconds after the backlog was sent", ylabel="samples in versions",
+                 title="Job progress over time")
         loss.legend()
         rate.legend()
         written.append(_save(fig, "trainer.png"))
