@@ -10,6 +10,8 @@ The entry points (jobs/stream_finetune.py, jobs/cdc_retrain.py) parse arguments 
 >>> job = JobConfig.from_args(p.parse_args(["--bootstrap", "kafka:9092", "--parallelism", "2"]), "demo")
 >>> job.bootstrap, job.parallelism, job.trainer_settings().unknown_model_grace_ms, job.register
 ('kafka:9092', 2, 30000, True)
+>>> job.bundle_time_ms, JobConfig.from_args(p.parse_args(["--bundle-time-ms", "1000"]), "demo").bundle_time_ms
+(None, 1000)
 """
 
 from __future__ import annotations
