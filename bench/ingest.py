@@ -50,10 +50,11 @@ from kafka import KafkaConsumer, KafkaProducer  # noqa: E402
 
 from connectors.kafka import create_topic  # noqa: E402
 from core.messages import DeadLetter, FeedbackSample  # noqa: E402
+from jobs.wiring import LATENCY_SETTINGS  # noqa: E402
 from streamtune.feedback import send_config  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
 from streamtune.stack.flink import cancel_job, submit_detached  # noqa: E402
-from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for  # noqa: E402
+from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for, wait_for_records  # noqa: E402
 
 WINDOW_MS = 60_000  # sql/samples_per_model.sql's TUMBLE; the job's spec gets the same
 T0 = 1_770_000_000_000 // WINDOW_MS * WINDOW_MS
@@ -148,11 +149,12 @@ def per_window(rows: list[dict]) -> Counter:
 
 
 def run_job(config: StackConfig, topics: dict, counts_topic: str, rows: list, total: int, models: int,
-            timeout: float, bundle_ms: int | None, budget: float, bad_before) -> tuple[list, str, Counter]:
+            timeout: float, bundle_ms: int | None, budget: float,
+            bad_ts: list[int]) -> tuple[list, str, Counter, int]:
     """Start the job on its (empty) feedback topic, wait until its trainer has every config,
     send the backlog, read its counts for `budget` seconds of output (or the whole backlog);
-    then its dead letters of the records before the last closed window, once a checkpoint
-    commits them."""
+    then (up to 60 s) its committed dead letters, by reason, and how many it owes: the records
+    not JSON (stamped `bad_ts`) before the last closed window."""
     job_name = f"streamtune-bench-{topics['feedback'].split('.')[1]}"  # unique: its metrics are looked up by name
     args = job_args(topics, "/no-base-model", tempfile.mkdtemp(prefix="streamtune-ingest-"), "--parallelism", "1",
                     "--no-register", "--counts-topic", counts_topic, "--checkpoint-interval-ms", "2000",
@@ -168,8 +170,10 @@ def run_job(config: StackConfig, topics: dict, counts_topic: str, rows: list, to
                  300, "the trainer to read the configs")
         send(config.kafka_bootstrap, topics["feedback"], rows)
         rows_out = collect(config.kafka_bootstrap, counts_topic, json.loads, total, timeout, "job", budget)
-        expected_bad = bad_before(max(r["window_end"] for r in rows_out))
-        return rows_out, job_id, dead_letters(config.kafka_bootstrap, topics["dlq"], expected_bad, 60)
+        owed = sum(ts < max(r["window_end"] for r in rows_out) for ts in bad_ts)
+        reasons = Counter(d.reason for d in wait_for_records(config.kafka_bootstrap, topics["dlq"], DeadLetter,
+                                                             owed, 60))
+        return rows_out, job_id, reasons, owed
     finally:
         cancel_job(config, job_id)
 
@@ -200,22 +204,6 @@ def run_sql(config: StackConfig, topics: dict, counts_topic: str, rows: list, to
         return collect(config.kafka_bootstrap, counts_topic, parse_sql_row, total, timeout, "sql"), job_id
     finally:
         cancel_job(config, job_id)
-
-
-def dead_letters(bootstrap: str, topic: str, expect: int, timeout: float) -> Counter:
-    """The job's DLQ (exactly-once: visible once a checkpoint completes) by reason."""
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             enable_auto_commit=False, isolation_level="read_committed")
-    reasons: Counter = Counter()
-    deadline = time.monotonic() + timeout
-    try:
-        while sum(reasons.values()) < expect and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=500).values():
-                for r in records:
-                    reasons[DeadLetter.from_json(r.value.decode()).reason] += 1
-    finally:
-        consumer.close()
-    return reasons
 
 
 def check_counts(arm: str, rows: list[dict], expected: Counter) -> None:
@@ -253,18 +241,16 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
             for m in range(models):
                 send_config(config.kafka_bootstrap, topics["configs"],
                             spec(f"m{m}", topics, min_samples=1, window_seconds=WINDOW_MS // 1000), T0 - 1)
-            out_rows, job_id, reasons = run_job(config, topics, counts_topic, rows, total, models, timeout,
-                                                bundle_ms or None, job_seconds,
-                                                lambda end: sum(ts < end for ts in bad_ts))
-            last = max(r["window_end"] for r in out_rows)
-            owed = sum(ts < last for ts in bad_ts)
+            out_rows, job_id, reasons, owed = run_job(config, topics, counts_topic, rows, total, models, timeout,
+                                                      bundle_ms or None, job_seconds, bad_ts)
             if set(reasons) - {"bad_json"}:
                 raise SystemExit(f"{arm}: dead letters {dict(reasons)}; only bad_json expected")
             if sum(reasons.values()) < owed:
                 # Not a throughput question, so the run goes on; README "Benchmarks" has the case.
                 print(f"  WARNING {arm}: {sum(reasons.values())} dead letters visible (read_committed) within "
                       f"60 s; {owed} records before the last closed window were not JSON", flush=True)
-            extra = {"bundle_ms": bundle_ms or 10, "dead_lettered": sum(reasons.values()), "bad_read": owed}
+            extra = {"bundle_ms": bundle_ms or int(LATENCY_SETTINGS["python.fn-execution.bundle.time"]),
+                     "dead_lettered": sum(reasons.values()), "bad_read": owed}
         check_counts(arm, out_rows, expected)
         arms[arm] = {"job_id": job_id, **steady_rate(out_rows), **extra}
         print(f"  {arm}: {arms[arm]['records_per_s']:.0f} records/s ({arms[arm]['samples']} samples of "
