@@ -20,7 +20,6 @@ model (Kafka key = model_id) is assumed.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -31,6 +30,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
 from mlflow.exceptions import MlflowException, RestException
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
 from connectors.artifact_store import ArtifactStore
 from core.messages import AdapterVersionBroadcast, VersionRecord
@@ -58,8 +58,9 @@ def find_version(client: MlflowClient, model_id: str, version_id: str) -> ModelV
 @dataclass
 class RegistryCache:
     """What one registering process learned of the registry, so that a steady stream of
-    versions costs ~10 MLflow calls each instead of ~16: registered models and experiments
-    known to exist, each model's training run, and the highest seq registered per model.
+    versions costs 6-7 MLflow requests on its way to the broadcast: registered models and
+    experiments known to exist, each model's training run, and the highest seq registered per
+    model.
 
     A record whose seq is above that highest seq is new, so it skips the search by
     version_id; the first record of a model in a process, and any record at or below it (a
@@ -77,7 +78,21 @@ class RegistryCache:
 
 def register_version(client: MlflowClient, record: VersionRecord, store: ArtifactStore,
                      cache: RegistryCache | None = None) -> tuple[ModelVersion, bool]:
-    """Register one version record; returns (model version, created). Idempotent by version_id.
+    """Register one version record, all of it: publish_version, then finish_run. Returns
+    (model version, created). Idempotent by version_id."""
+    cache = cache if cache is not None else RegistryCache()
+    mv, created = publish_version(client, record, store, cache)
+    finish_run(client, record, mv.run_id, cache, check=not created)
+    return mv, created
+
+
+def publish_version(client: MlflowClient, record: VersionRecord, store: ArtifactStore,
+                    cache: RegistryCache | None = None) -> tuple[ModelVersion, bool]:
+    """What a broadcast waits for: the adapter's files in a new run, the model version, its
+    aliases. Returns (model version, created); idempotent by version_id. The run stays
+    RUNNING, without params and metrics, until finish_run: those are read by people, not by
+    inference, so they are logged after the broadcast (issue 15: 16 MLflow requests per
+    version before, 6-7 now).
 
     The adapter is read from the artifact store and checked against the record's sha256
     first: ArtifactIntegrityError (never registered) when it is missing or altered.
@@ -93,47 +108,21 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
     if model_id not in cache.models:
         _ensure_registered_model(client, model_id)
         cache.models.add(model_id)
-    experiment_name = f"streamtune/{model_id}"
-    if experiment_name not in cache.experiments:
-        cache.experiments[experiment_name] = _ensure_experiment(client, experiment_name)
-    experiment_id = cache.experiments[experiment_name]
-
-    seq, metrics = record.seq, record.metrics
-    now = int(time.time() * 1000)
-    metric_rows = [Metric(k, float(getattr(metrics, k)), now, seq) for k in METRICS]
-    metric_rows += [Metric(k, v, now, seq) for k, v in gate_metrics(record).items()]
-    adapter = record.adapter
-    run = client.create_run(experiment_id, run_name=version_id, tags={
+    seq, metrics, adapter = record.seq, record.metrics, record.adapter
+    run = client.create_run(_experiment_id(client, model_id, cache), run_name=version_id, tags={
         f"{TAG}version_id": version_id, f"{TAG}model_id": model_id, f"{TAG}seq": str(seq)})
     run_id = run.info.run_id
     try:
-        client.log_batch(run_id, metrics=metric_rows, params=[
-            Param("adapter.rank", str(adapter.rank)),
-            Param("adapter.alpha", str(adapter.alpha)),
-            Param("adapter.target_modules", ",".join(adapter.target_modules)),
-            Param("adapter.dropout", str(adapter.dropout)),
-            Param("config_version", str(record.config_version)),
-            Param("fresh_adapter", str(record.fresh_adapter)),
-            Param("trigger", record.trigger),
-            Param("base_model", record.base_model),
-        ])
-        with tempfile.TemporaryDirectory() as tmp:  # adapter/ and lineage.json, in one upload
-            adapter_dir = os.path.join(tmp, "adapter")
-            os.mkdir(adapter_dir)
+        with tempfile.TemporaryDirectory() as tmp:
             for name, data in files.items():
-                with open(os.path.join(adapter_dir, name), "wb") as f:
+                with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
-            with open(os.path.join(tmp, "lineage.json"), "w") as f:
-                json.dump({"version_id": version_id, "window_start": record.window_start,
-                           "window_end": record.window_end, **record.lineage.to_dict()}, f, indent=1)
-            client.log_artifacts(run_id, tmp)
+            # The run's artifact repository straight from create_run's answer: the client's
+            # log_artifacts(run_id) would first fetch the run again to find it.
+            get_artifact_repository(run.info.artifact_uri, tracking_uri=client.tracking_uri).log_artifacts(tmp, "adapter")
     except Exception:
         client.set_terminated(run_id, "FAILED")
         raise
-    client.set_terminated(run_id, "FINISHED")
-    if model_id not in cache.training_runs:
-        cache.training_runs[model_id] = _ensure_training_run(client, experiment_id, model_id)
-    client.log_batch(cache.training_runs[model_id], metrics=metric_rows)
 
     tags = {
         "version_id": version_id, "sha256": record.sha256, "artifact_uri": record.artifact_uri,
@@ -155,8 +144,8 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
     if record.gate is not None:
         promote = record.gate.promote  # decided in the trainer, on the same eval data for both versions
     else:
-        champion = client.get_registered_model(model_id).aliases.get("champion")
-        promote = champion is None or metrics.loss_after <= _loss_after(client, model_id, champion)
+        # Read each time, not cached: a rollback elsewhere moves champion.
+        promote = metrics.loss_after <= _champion_loss_after(client, model_id)
     if promote:
         _set_alias(client, model_id, "champion", mv.version)
     # A new version holds just the aliases set here (no read back: one call less).
@@ -164,6 +153,38 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
                         source=mv.source, run_id=mv.run_id, status=mv.status,
                         tags=[ModelVersionTag(k, v) for k, v in mv.tags.items()],
                         aliases=["candidate", "champion"] if promote else ["candidate"]), True
+
+
+def finish_run(client: MlflowClient, record: VersionRecord, run_id: str, cache: RegistryCache | None = None,
+               check: bool = False) -> None:
+    """The rest of a published version's run: params, metrics, `lineage.json`, the same
+    metrics on the model's training run (its loss curve), then FINISHED. With `check` (a
+    version found again after a restore) it does nothing when the run has FINISHED already;
+    a crash inside this function, between the training run's metrics and FINISHED, leaves one
+    duplicate point on that curve."""
+    cache = cache if cache is not None else RegistryCache()
+    if check and client.get_run(run_id).info.status == "FINISHED":
+        return
+    model_id, seq, metrics, adapter = record.model_id, record.seq, record.metrics, record.adapter
+    now = int(time.time() * 1000)
+    metric_rows = [Metric(k, float(getattr(metrics, k)), now, seq) for k in METRICS]
+    metric_rows += [Metric(k, v, now, seq) for k, v in gate_metrics(record).items()]
+    client.log_batch(run_id, metrics=metric_rows, params=[
+        Param("adapter.rank", str(adapter.rank)),
+        Param("adapter.alpha", str(adapter.alpha)),
+        Param("adapter.target_modules", ",".join(adapter.target_modules)),
+        Param("adapter.dropout", str(adapter.dropout)),
+        Param("config_version", str(record.config_version)),
+        Param("fresh_adapter", str(record.fresh_adapter)),
+        Param("trigger", record.trigger),
+        Param("base_model", record.base_model),
+    ])
+    client.log_dict(run_id, {"version_id": record.version_id, "window_start": record.window_start,
+                             "window_end": record.window_end, **record.lineage.to_dict()}, "lineage.json")
+    if model_id not in cache.training_runs:
+        cache.training_runs[model_id] = _ensure_training_run(client, _experiment_id(client, model_id, cache), model_id)
+    client.log_batch(cache.training_runs[model_id], metrics=metric_rows)
+    client.set_terminated(run_id, "FINISHED")
 
 
 def gate_tags(record: VersionRecord) -> dict[str, str]:
@@ -257,8 +278,23 @@ def _ensure_training_run(client: MlflowClient, experiment_id: str, model_id: str
     return run.info.run_id
 
 
-def _loss_after(client: MlflowClient, model_id: str, version: str) -> float:
-    value = client.get_model_version(model_id, version).tags.get(f"{TAG}loss_after")
+def _experiment_id(client: MlflowClient, model_id: str, cache: RegistryCache) -> str:
+    name = f"streamtune/{model_id}"
+    if name not in cache.experiments:
+        cache.experiments[name] = _ensure_experiment(client, name)
+    return cache.experiments[name]
+
+
+def _champion_loss_after(client: MlflowClient, model_id: str) -> float:
+    """The champion's loss_after tag; infinite when there is no champion (or no tag)."""
+    try:
+        champion = client.get_model_version_by_alias(model_id, "champion")
+    except RestException as e:
+        # MLflow 3.17 answers a missing alias with INVALID_PARAMETER_VALUE "... not found".
+        if e.error_code != "INVALID_PARAMETER_VALUE" or "not found" not in e.message:
+            raise
+        return float("inf")
+    value = champion.tags.get(f"{TAG}loss_after")
     return float(value) if value is not None else float("inf")
 
 
@@ -267,7 +303,10 @@ def _set_alias(client: MlflowClient, model_id: str, alias: str, version: str,
     """Set an alias; two writers creating the same alias at once can hit UniqueViolation."""
     for attempt in range(attempts):
         try:
-            client.set_registered_model_alias(model_id, alias, version)
+            # The registry client, not MlflowClient.set_registered_model_alias: that one
+            # first fetches the whole registered model to refuse prompts (a request more per
+            # alias; ours are never prompts). mlflow is pinned in pyproject.toml.
+            client._get_registry_client().set_registered_model_alias(model_id, alias, version)
             return
         except MlflowException as e:
             if "UniqueViolation" not in str(e) or attempt == attempts - 1:

@@ -15,13 +15,17 @@ versions registered since are found by their version_id and only broadcast again
 A version whose artifact is missing or does not match its sha256 is never registered: it
 goes to the DLQ (`artifact_integrity`, kind `version`), is logged and counted, and the next
 versions register. Counters: versions_in = registered + already_registered + integrity_failures
-+ queued (in state); registration_retries counts failed attempts.
++ queued (in state); registration_retries counts failed attempts. A version's run gets its
+params and metrics after its broadcast is handed on (run_finish_failures counts runs MLflow
+refused to finish).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pyflink.common import Types
@@ -85,13 +89,17 @@ class RegistrationFunction(KeyedProcessFunction):
         # One thread: registrations stay in order, and MLflow sees one writer per worker.
         self.registrar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamtune-register")
         self.inflight: dict[tuple, Future] = {}  # (topic, partition, offset) -> its registration
+        self.unfinished_runs: deque[str] = deque()  # appended by the registration thread
+        self.closed = False
         self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
         # (due ms, backoff ms): the one pending timer of this model, a poll (backoff 0) or a retry
         self.timer = runtime_context.get_state(ValueStateDescriptor("timer", Types.PICKLED_BYTE_ARRAY()))
         self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
-            "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries"))
+            "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries",
+            "run_finish_failures"))
 
     def close(self):
+        self.closed = True
         self.registrar.shutdown(wait=False, cancel_futures=True)
 
     def process_element(self, value, ctx):
@@ -109,6 +117,9 @@ class RegistrationFunction(KeyedProcessFunction):
         if ctx.time_domain() != TimeDomain.PROCESSING_TIME or timer is None or timer[0] != timestamp:
             return
         self.timer.clear()
+        while self.unfinished_runs:
+            self.unfinished_runs.popleft()
+            self.counters.inc("run_finish_failures")
         backoff_ms = timer[1]
         queue = self.queue.value() or []
         while queue:
@@ -157,13 +168,45 @@ class RegistrationFunction(KeyedProcessFunction):
         return self.inflight[key]
 
     def _register(self, payload: str) -> tuple[bool, str]:
-        """In the registration thread: (created, the broadcast's JSON)."""
-        from connectors.mlflow_registry import broadcast_for, register_version
+        """In the registration thread: (created, the broadcast's JSON). The version's run is
+        finished by the next task of this thread, after the broadcast can go out."""
+        from connectors.mlflow_registry import broadcast_for, publish_version
 
         record = VersionRecord.from_json(payload)
         with span("streamtune.register", model_id=record.model_id, version_id=record.version_id,
                   samples=len(record.lineage.sample_ids)) as traced:
-            mv, created = register_version(self.client, record, self.store, self.registry_cache)
+            mv, created = publish_version(self.client, record, self.store, self.registry_cache)
             traced.set_attribute("mlflow_version", int(mv.version))
             traced.set_attribute("created", created)
+        self.registrar.submit(self._finish_run, record, mv.run_id, not created)
         return created, broadcast_for(record, mv).to_json()
+
+    def _finish_run(self, record: VersionRecord, run_id: str, check: bool) -> None:
+        """In the registration thread, after _register: the run's params and metrics
+        (connectors/mlflow_registry.finish_run). MLflow unreachable: retried with the
+        registration's backoff, ahead of the next registrations (they would fail too), so no
+        run is left unfinished by an outage. Refused by MLflow (a 4xx answer will not change):
+        logged and counted, and the run stays RUNNING; the version, its tags and its
+        broadcast are out already."""
+        from mlflow.exceptions import RestException
+
+        from connectors.mlflow_registry import finish_run
+
+        wait_ms = 0
+        while not self.closed:
+            try:
+                finish_run(self.client, record, run_id, self.registry_cache, check=check or wait_ms > 0)
+                return
+            except RestException as e:
+                if 400 <= e.get_http_status_code() < 500:
+                    self.unfinished_runs.append(run_id)  # counted by the operator's thread (operators/counters.py)
+                    log.error("version %s: MLflow refused to finish its run %s, left RUNNING: %s",
+                              record.version_id, run_id, e)
+                    return
+                failed = e
+            except Exception as e:
+                failed = e
+            wait_ms = min(max(wait_ms * 2, RETRY_FIRST_MS), RETRY_MAX_MS)
+            log.warning("finishing the run of %s failed (%s: %s); retrying in %d ms", record.version_id,
+                        type(failed).__name__, str(failed).splitlines()[0][:300] if str(failed) else "", wait_ms)
+            time.sleep(wait_ms / 1000)

@@ -13,8 +13,9 @@ For each new version the registrar publishes an AdapterVersionBroadcast (core.me
 A broadcast is sent when the version is created, or for a duplicate whose broadcast was never
 confirmed (model version tag `streamtune.broadcast` is set only after the broker acked it):
 a crash between registering and broadcasting is healed by the replay. Consumers of the
-broadcast must therefore be idempotent by version_id too. The consumer offset is committed
-after each record. A record that can never succeed (bad JSON, wrong schema, missing adapter
+broadcast must therefore be idempotent by version_id too. The version's run gets its params
+and metrics after the broadcast (connectors/mlflow_registry.finish_run). The consumer offset
+is committed after each record. A record that can never succeed (bad JSON, wrong schema, missing adapter
 file, sha256 mismatch) is logged, counted as invalid and skipped; any other error (MLflow or
 Kafka down) leaves the record uncommitted and is retried.
 """
@@ -31,7 +32,7 @@ from kafka.structs import OffsetAndMetadata
 
 from connectors.kafka import create_topic
 from connectors.artifact_store import ArtifactStore
-from connectors.mlflow_registry import RegistryCache, broadcast_for, make_client, register_version
+from connectors.mlflow_registry import RegistryCache, broadcast_for, finish_run, make_client, publish_version
 from core import defaults
 from core.errors import ArtifactIntegrityError, InvalidMessage
 from core.messages import VersionRecord
@@ -118,7 +119,7 @@ class Registrar:
         where = f"{rec.topic}[{rec.partition}]@{rec.offset}"
         try:
             record = VersionRecord.from_json(rec.value)
-            mv, created = register_version(self.client, record, self.store, self.registry_cache)
+            mv, created = publish_version(self.client, record, self.store, self.registry_cache)
         except (InvalidMessage, ArtifactIntegrityError) as e:
             self.counts["invalid"] += 1
             log.error("registrar: invalid version record at %s skipped: %s", where, e)
@@ -135,6 +136,8 @@ class Registrar:
                           f"at {where} skipped")
         if created or mv.tags.get(BROADCAST_TAG) != "sent":
             self._broadcast(record, mv)
+        # After the broadcast: the run's params and metrics are for people, not inference.
+        finish_run(self.client, record, mv.run_id, self.registry_cache, check=not created)
 
     def _broadcast(self, record: VersionRecord, mv) -> None:
         message = broadcast_for(record, mv)

@@ -219,6 +219,14 @@ def test_mlflow_outage_delays_registration_never_training(stack_config, cluster_
     assert seqs == list(range(1, len(mvs) + 1)), f"registered once each, in seq order, no gap: {seqs}"
     assert len(mvs) >= committed_at_stop + committed_during
 
+    def unfinished():  # a version's run gets its params and metrics just after its broadcast
+        return [mv.version for mv in mvs if client.get_run(mv.run_id).info.status != "FINISHED"]
+
+    wait_for(lambda: not unfinished(), 60, "every version's run to finish", interval=1)
+    for mv in mvs:
+        data = client.get_run(mv.run_id).data
+        assert data.params["adapter.rank"] and "loss_after" in data.metrics, (mv.version, data)
+
 
 def test_bad_artifact_is_reported_not_registered(stack_config, cluster_job, unique):
     """An artifact deleted, another altered, between training and registration (15 s checkpoints
