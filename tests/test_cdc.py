@@ -116,13 +116,15 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path, para
 
         # Start just after a window boundary: the first changes below must share one window.
         wait_for(lambda: time.time() * 1000 % 2000 < 200, 3, "a 2 s window to begin", interval=0.01)
+        # The documents first, in one request: MongoDB's cluster time has whole seconds, and
+        # inserted one by one after the psql calls below they once straddled the boundary.
+        mongo[db].reviews.insert_many([{"_id": i, "text": f"review {i}", "reply": {"body": f"thanks {i}"}}
+                                       for i in range(4)])
         approved = ", ".join(f"({i}, '{pg_model}', 'x={i}0;y=', '{i}1', 'approved')" for i in range(1, 7))
         psql(dsn, f"INSERT INTO {answers} VALUES {approved}, (7, '{pg_model}', 'x=7;y=', '8', 'draft'),"
                   f"(8, '{pg_model}', 'x=8;y=', NULL, 'approved')")  # 7 filtered out; 8 has no completion
         psql(dsn, f"UPDATE {answers} SET a = '11!' WHERE id = 1")   # supersedes row 1's first sample
         psql(dsn, f"DELETE FROM {answers} WHERE id = 2")            # retracts row 2 before it trains
-        for i in range(4):
-            mongo[db].reviews.insert_one({"_id": i, "text": f"review {i}", "reply": {"body": f"thanks {i}"}})
         # The next changes fall in a later window, so the first windows close: 10 row changes
         # and the bad record, 4 documents.
         wait_past_window(boot, topics["pg"], 2000, lambda records: len(records) >= 11)
@@ -164,6 +166,9 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path, para
         client = MlflowClient(stack_config.mlflow_uri, stack_config.mlflow_uri)
         for model, key in ((pg_model, "commit_lsn"), (mongo_model, "resume_token")):
             mv = sorted(client.search_model_versions(f"name = '{model}'"), key=lambda v: int(v.version))[0]
+            # The run gets its params, metrics and lineage just after the broadcast.
+            wait_for(lambda: client.get_run(mv.run_id).info.status == "FINISHED", 30, f"{model}'s run to finish",
+                     interval=0.2)
             lineage = json.loads(Path(client.download_artifacts(mv.run_id, "lineage.json", str(tmp_path))).read_text())
             assert all(key in o for o in lineage["origins"]) and lineage["origins"], lineage
     finally:
