@@ -201,6 +201,15 @@ def main() -> None:
         row["values_s"] = [round(x, 3) for x in values]  # for the plot (bench/report.py)
         result["stages"][stage] = row
         print(f"{stage:<12}{row['n']:>5}{row['p50_s']:>8.2f}{row['p95_s']:>8.2f}{row['p99_s']:>8.2f}   {goal}")
+    # Where the time goes, version by version: each stage minus the one before it.
+    print(f"\n{'step':<24}{'n':>5}{'p50':>8}{'p95':>8}{'p99':>8}")
+    result["steps"] = {}
+    for before, after in zip(STAGES, STAGES[1:]):
+        values = sorted(at[v][after] - at[v][before] for v in measured if at[v][after] is not None)
+        row = {"n": len(values), "p50_s": round(statistics.median(values), 3),
+               "p95_s": round(percentile(values, 0.95), 3), "p99_s": round(percentile(values, 0.99), 3)}
+        result["steps"][f"{before}→{after}"] = row
+        print(f"{before + ' → ' + after:<24}{row['n']:>5}{row['p50_s']:>8.2f}{row['p95_s']:>8.2f}{row['p99_s']:>8.2f}")
     (REPO / "bench" / "results").mkdir(exist_ok=True)
     (REPO / "bench" / "results" / "freshness.json").write_text(json.dumps(result, indent=2))
 
