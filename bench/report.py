@@ -70,6 +70,13 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                 ("serving", "PEFT load_adapter ÷ swap (p50)", f"{ratio:.0f}×", f"≥ 10×: {verdict(ratio, 10, at_most=False)}", date),
                 ("serving", "request p95 with a swap a second ÷ without", f"{p95_ratio:.2f}",
                  f"≤ 1.10: {verdict(p95_ratio, 1.1)}", date)]
+    registration = load("registration")
+    if registration:
+        pub, whole = registration["publish"], registration["whole"]
+        out.append(("registration", "what a broadcast waits for ÷ the whole registration, p50 (MLflow requests)",
+                    f"{registration['ratio_p50']:.2f} ({pub['p50_ms']:.0f} of {whole['p50_ms']:.0f} ms; "
+                    f"{pub['requests']:.0f} of {whole['requests']:.0f} requests)",
+                    "(no goal of its own: see freshness)", registration["date"]))
     many = load("many_models")
     if many:
         last = many["rows"][-1]
