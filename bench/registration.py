@@ -92,7 +92,8 @@ def main() -> None:
 
     def stats(values: list[float]) -> dict:
         values = sorted(values)
-        return {"p50_ms": round(1000 * statistics.median(values), 1), "p95_ms": round(1000 * percentile(values, 0.95), 1)}
+        return {"p50_ms": round(1000 * statistics.median(values), 1),
+                "p95_ms": round(1000 * percentile(values, 0.95), 1)}
 
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.machine()})",
               "versions": len(rows),

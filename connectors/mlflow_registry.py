@@ -119,7 +119,8 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
                     f.write(data)
             # The run's artifact repository straight from create_run's answer: the client's
             # log_artifacts(run_id) would first fetch the run again to find it.
-            get_artifact_repository(run.info.artifact_uri, tracking_uri=client.tracking_uri).log_artifacts(tmp, "adapter")
+            repository = get_artifact_repository(run.info.artifact_uri, tracking_uri=client.tracking_uri)
+            repository.log_artifacts(tmp, "adapter")
     except Exception:
         client.set_terminated(run_id, "FAILED")
         raise
