@@ -95,6 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=260)
     parser.add_argument("--checkpoint-ms", type=int, default=1000)
+    parser.add_argument("--periodic-only", action="store_true",
+                        help="without --checkpoint-on-version: versions wait for the periodic checkpoint")
     args = parser.parse_args()
     quiet_libraries()
     config = StackConfig.from_env()
@@ -134,7 +136,8 @@ def main() -> None:
         server.wait_ready(120)
         job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", job_args(
             topics, base, tmp / "adapters", "--bootstrap", config.kafka_bootstrap,
-            "--checkpoint-interval-ms", str(args.checkpoint_ms), "--job-name", f"fresh-{u}"))
+            "--checkpoint-interval-ms", str(args.checkpoint_ms), "--job-name", f"fresh-{u}",
+            *(() if args.periodic_only else ("--checkpoint-on-version",))))
         for watcher in (committed, broadcast, asker):
             watcher.start()
         pairs = digit_pairs((args.windows + WARM_UP_WINDOWS) * PER_WINDOW + 1, seed=4)

@@ -78,6 +78,13 @@ def mlflow_uri(env: Mapping[str, str] | None = None) -> str:
         f"http://{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_MLFLOW_PORT', '5000')}"
 
 
+def flink_rest_url(env: Mapping[str, str] | None = None) -> str:
+    """The JobManager's REST API, as the TaskManagers reach it."""
+    e = _env(env)
+    return e.get("STREAMTUNE_FLINK_REST_URL") or \
+        f"http://{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_FLINK_REST_PORT', '8081')}"
+
+
 def tokenizer_catalogue_dir(env: Mapping[str, str] | None = None) -> Path:
     value = _env(env).get("STREAMTUNE_TOKENIZER_CATALOGUE")
     return Path(value).expanduser() if value else data_dir(env) / "tokenizers"

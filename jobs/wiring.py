@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -31,7 +32,7 @@ from connectors.flink_kafka import at_least_once_sink, exactly_once_sink, input_
 from connectors.artifact_store import store_uri
 from connectors.kafka import create_topic
 from core import defaults
-from operators.finetune_function import FinetuneFunction, TrainerSettings
+from operators.finetune_function import JOB_ID_PARAMETER, FinetuneFunction, TrainerSettings
 from operators.registration import VERSION_TYPE, RegistrationFunction, VersionReader
 from operators.validate import DLQ_TAG
 
@@ -52,6 +53,8 @@ class JobConfig:
     tracking_uri: str = defaults.mlflow_uri()
     register: bool = True                     # the registration pipeline runs in this job
     versions_delivery: str = "exactly-once"   # or "at-least-once": visible at once, repeats after a restore
+    checkpoint_on_version: bool = False       # ask the JobManager for a checkpoint as each version is emitted
+    jobmanager_url: str = defaults.flink_rest_url()
     unknown_model_grace_ms: int = 30_000
     max_record_bytes: int = 65536
     lateness_ms: int = 0
@@ -78,7 +81,8 @@ class JobConfig:
                                artifact_store=store_uri(self.artifact_store),
                                unknown_model_grace_ms=self.unknown_model_grace_ms, lateness_ms=self.lateness_ms,
                                idle_close_ms=self.idle_close_ms, max_live_adapters=self.max_live_adapters,
-                               tracking_uri=self.tracking_uri)
+                               tracking_uri=self.tracking_uri,
+                               checkpoint_on_version=self.jobmanager_url if self.checkpoint_on_version else None)
 
     def create_topics(self, *inputs: str) -> None:
         for topic in (*inputs, self.config_topic, self.versions_topic, self.dlq_topic, self.broadcast_topic):
@@ -102,6 +106,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions-delivery", choices=["exactly-once", "at-least-once"], default="exactly-once",
                    help="exactly-once: a version is visible to read_committed readers when its checkpoint "
                         "completes; at-least-once: at once, and again after a restore (readers drop repeats)")
+    p.add_argument("--checkpoint-on-version", action="store_true",
+                   help="exactly-once versions commit as soon as they are trained: the trainer asks the "
+                        "JobManager (--jobmanager-url) for a checkpoint instead of waiting for the next "
+                        "periodic one (up to one interval)")
+    p.add_argument("--jobmanager-url", default=defaults.flink_rest_url(),
+                   help="the JobManager's REST API as TaskManagers reach it (--checkpoint-on-version)")
     p.add_argument("--no-register", action="store_true",
                    help="no registration pipeline in this job (run `streamtune registrar` instead)")
     p.add_argument("--unknown-model-grace-seconds", type=float, default=30.0)
@@ -156,6 +166,8 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
     for key, value in {**LATENCY_SETTINGS, **(settings or {}), **bundle}.items():
         conf.set_string(key, value)
     env = StreamExecutionEnvironment.get_execution_environment(conf)
+    if job.checkpoint_on_version:
+        fix_job_id(env)
     checkpoints = env.get_checkpoint_config()
     interval = job.checkpoint_interval_ms or int(
         checkpoints.get_checkpoint_interval() if checkpoints.is_checkpointing_enabled() else 10000)
@@ -166,6 +178,19 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
     if job.parallelism:
         env.set_parallelism(job.parallelism)
     return env
+
+
+def fix_job_id(env: StreamExecutionEnvironment) -> str:
+    """The job's id, chosen here unless the cluster chose it (application mode does, and keeps
+    it across JobManager failovers), and handed to the operators as a job parameter: the
+    trainer asks the REST API for checkpoints of its own job (--checkpoint-on-version)."""
+    fixed = "$internal.pipeline.job-id"  # PipelineOptionsInternal.PIPELINE_FIXED_JOB_ID
+    job_id = env._j_stream_execution_environment.getConfiguration().toMap().get(fixed)
+    if not job_id:
+        job_id = secrets.token_hex(16)
+        env.configure(Configuration().set_string(fixed, job_id))
+    env.get_config().set_global_job_parameters({JOB_ID_PARAMETER: job_id})
+    return job_id
 
 
 def table_environment(env: StreamExecutionEnvironment) -> StreamTableEnvironment:

@@ -42,6 +42,10 @@ class TrainerSettings:
     idle_close_ms: int = 5000            # a model's windows close this long after window_seconds without a sample
     max_live_adapters: int = 64          # adapters a worker holds in its model; the rest wait in keyed state
     tracking_uri: str | None = None      # for an mlflow-artifacts:// store
+    checkpoint_on_version: str | None = None  # the JobManager's REST URL: ask it for a checkpoint per version
+
+
+JOB_ID_PARAMETER = "streamtune.job-id"  # a global job parameter (jobs/wiring.py fixes the job's id)
 
 
 def version_id_for(model_id: str, end: int, batch: list[Pending]) -> str:
@@ -118,14 +122,39 @@ class FinetuneFunction(KeyedProcessFunction):
         self.counters = FunctionCounters(metrics, (
             "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
             "samples_superseded", "samples_retracted", "windows_closed_idle", "samples_held_out",
-            "kept_samples_dropped", "versions_promoted", "versions_refused"), histograms=("step_ms", "freshness_ms"))
+            "kept_samples_dropped", "versions_promoted", "versions_refused", "checkpoint_requests",
+            "checkpoint_request_failures"), histograms=("step_ms", "freshness_ms"))
         metrics.gauge("live_adapters", lambda: LoraTrainer.live_totals()["adapters"])
         metrics.gauge("live_adapter_bytes", lambda: LoraTrainer.live_totals()["bytes"])
         self.watch_pending()
+        self.checkpoints = None
+        if self.settings.checkpoint_on_version:
+            from connectors.flink_checkpoints import CheckpointRequester
+
+            job_id = runtime_context.get_job_parameter(JOB_ID_PARAMETER, "")
+            if not job_id:
+                raise ValueError(f"checkpoint_on_version needs the job parameter {JOB_ID_PARAMETER} (jobs/wiring.py)")
+            self.checkpoints = CheckpointRequester(self.settings.checkpoint_on_version, job_id)
+            self.checkpoint_failures = 0
         # Flink's Python gauges are integers: the loss in millionths.
         metrics.gauge("last_loss_micro", lambda: round(self.last_step["loss_after"] * 1e6))
         metrics.gauge("adapter_state_bytes", lambda: self.last_step["state_bytes"])
         metrics.gauge("pending_samples", lambda: sum(self.pending.sizes.values()))
+
+    def close(self):
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.close()
+
+    def _request_checkpoint(self) -> None:
+        """The version just emitted commits with the next checkpoint: ask for it now
+        (connectors/flink_checkpoints.py). Counted here, on the operator's thread: the
+        requests, and the REST calls that failed since the last one."""
+        self.checkpoints.request()
+        self.counters.inc("checkpoint_requests")
+        failures = self.checkpoints.failures
+        if failures > self.checkpoint_failures:
+            self.counters.inc("checkpoint_request_failures", failures - self.checkpoint_failures)
+            self.checkpoint_failures = failures
 
     def watch_pending(self) -> None:
         """The gauges' in-memory side: pending counts per model, the last step's loss and state size."""
@@ -376,6 +405,8 @@ class FinetuneFunction(KeyedProcessFunction):
         self.counters.observe("step_ms", operator_seconds * 1000)
         # Freshness: from the newest sample's Kafka timestamp to this version leaving the step.
         self.counters.observe("freshness_ms", max(0, time.time() * 1000 - max(s.ts for s in batch)))
+        if self.checkpoints is not None:
+            self._request_checkpoint()
         # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).
         yield VersionRecord(
             version_id=version_id, model_id=model_id, seq=seq, window_start=start, window_end=end,

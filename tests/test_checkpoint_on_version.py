@@ -1,0 +1,67 @@
+"""`--checkpoint-on-version`: an exactly-once version commits as soon as it is trained, not
+at the next periodic checkpoint (connectors/flink_checkpoints.py).
+
+Both jobs run with a 300 s checkpoint interval: Flink's first periodic checkpoint comes at a
+random delay between the minimum pause (150 s here, jobs/wiring.py) and the interval, so no
+periodic checkpoint can commit anything in the first 150 s of either job.
+
+- With the option, the version is visible to a read_committed reader within seconds of being
+  written, long before any periodic checkpoint, and the trainer counted the request.
+- Without it (the control, which shows the test can fail), the same version is written (a
+  read_uncommitted reader sees it) and stays invisible to read_committed for 30 s.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from core.messages import VersionRecord
+from streamtune.feedback import digit_samples, send_config, send_samples
+from streamtune.stack.flink import cancel_job, job_counters, submit_detached
+from streamtune.testing import job_args, job_topics, spec, wait_for, wait_for_records
+from streamtune.tinymodel import digit_pairs
+
+pytestmark = [pytest.mark.finetune, pytest.mark.guarantees]
+REPO = Path(__file__).resolve().parents[1]
+INTERVAL_MS = 300_000
+NO_PERIODIC_CHECKPOINT_S = INTERVAL_MS / 2000  # the first one comes no earlier
+
+
+@pytest.mark.parametrize("on_version", [True, False], ids=["on-version", "periodic-only"])
+def test_a_version_commits_at_once_only_with_checkpoint_on_version(stack_config, base_model, tmp_path, unique,
+                                                                   on_version):
+    bootstrap = stack_config.kafka_bootstrap
+    topics = job_topics(bootstrap, f"test.cov-{unique}")
+    model_id = f"cov-{unique}"
+    job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
+        topics, base_model, tmp_path / "adapters", "--bootstrap", bootstrap,
+        "--checkpoint-interval-ms", str(INTERVAL_MS), "--idle-close-ms", "1000", "--no-register",
+        "--job-name", f"cov-{unique}", *(("--checkpoint-on-version",) if on_version else ())))
+    submitted = time.monotonic()
+    try:
+        t0 = (int(time.time() * 1000) // 10_000) * 10_000 - 60_000
+        send_config(bootstrap, topics["configs"], spec(model_id, topics, min_samples=4, window_seconds=2), t0)
+        send_samples(bootstrap, topics["feedback"], digit_samples(model_id, digit_pairs(4, seed=3), t0, 250))
+
+        written = wait_for_records(bootstrap, topics["versions"], VersionRecord, 1, timeout=120, read_committed=False)
+        assert len(written) == 1, "the trainer wrote no version in 120 s"
+        written_at = time.monotonic()
+        assert written_at - submitted < NO_PERIODIC_CHECKPOINT_S - 40, "the job started too slowly to tell"
+
+        if on_version:
+            committed = wait_for_records(bootstrap, topics["versions"], VersionRecord, 1, timeout=20)
+            assert [v.version_id for v in committed] == [written[0].version_id]
+            assert time.monotonic() - submitted < NO_PERIODIC_CHECKPOINT_S, "a periodic checkpoint may have done it"
+            counters = wait_for(lambda: (c := job_counters(stack_config.flink_rest_url, job)).get(
+                "lora-trainer.checkpoint_requests") and c, 30, "the trainer's request counter")
+            assert counters["lora-trainer.checkpoint_requests"] >= 1
+            assert counters.get("lora-trainer.checkpoint_request_failures", 0) == 0
+        else:
+            committed = wait_for_records(bootstrap, topics["versions"], VersionRecord, 1, timeout=30)
+            assert committed == [], "committed without a checkpoint: the control is broken"
+            assert time.monotonic() - submitted < NO_PERIODIC_CHECKPOINT_S
+    finally:
+        cancel_job(stack_config, job)
