@@ -187,6 +187,7 @@ def main() -> None:
     goals = {"broadcast": args.checkpoint_ms / 1000, "served": args.checkpoint_ms / 1000 + 1.5}
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.machine()})",
               "checkpoint_ms": args.checkpoint_ms, "window_s": WINDOW_S, "versions": len(measured),
+              "checkpoints": "periodic only" if args.periodic_only else "periodic and on each version",
               "answered_before_replaced": sum(1 for v in measured if v in served), "stages": {}}
     print(f"\n{len(measured)} versions broadcast, {result['answered_before_replaced']} of them answered a request "
           f"before a newer one replaced them; seconds after the window's end:")
@@ -214,7 +215,8 @@ def main() -> None:
         result["steps"][f"{before}→{after}"] = row
         print(f"{before + ' → ' + after:<24}{row['n']:>5}{row['p50_s']:>8.2f}{row['p95_s']:>8.2f}{row['p99_s']:>8.2f}")
     (REPO / "bench" / "results").mkdir(exist_ok=True)
-    (REPO / "bench" / "results" / "freshness.json").write_text(json.dumps(result, indent=2))
+    name = "freshness-periodic.json" if args.periodic_only else "freshness.json"
+    (REPO / "bench" / "results" / name).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -34,16 +34,18 @@ def verdict(value: float, goal: float, at_most: bool = True) -> str:
 def rows() -> list[tuple[str, str, str, str, str]]:
     """(benchmark, measure, figure, goal, run)"""
     out = []
-    fresh = load("freshness")
-    if fresh:
+    for name, how in (("freshness", "`--checkpoint-on-version`"), ("freshness-periodic", "periodic checkpoints only")):
+        fresh = load(name)
+        if not fresh:
+            out.append(("freshness", f"window end → committed / registered / broadcast / served, {how}", "not run",
+                        "", ""))
+            continue
         run = f"{fresh['date']}, {fresh['versions']} versions"
         interval = fresh["checkpoint_ms"] / 1000
         for stage, s in fresh["stages"].items():
             goal = f"p95 ≤ {s['goal_p95_s']:.2f} s: {verdict(s['p95_s'], s['goal_p95_s'])}" if "goal_p95_s" in s else ""
-            out.append(("freshness", f"window end → {stage} ({interval:g} s checkpoints)",
+            out.append(("freshness", f"window end → {stage} ({interval:g} s checkpoints; {how})",
                         f"p50 {s['p50_s']:.2f} / p95 {s['p95_s']:.2f} / p99 {s['p99_s']:.2f} s (n={s['n']})", goal, run))
-    else:
-        out.append(("freshness", "window end → committed / registered / broadcast / served", "not run", "", ""))
     trainer = load("trainer_overhead")
     if trainer:
         for shape, s in trainer["shapes"].items():
@@ -77,6 +79,11 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     f"{registration['ratio_p50']:.2f} ({pub['p50_ms']:.0f} of {whole['p50_ms']:.0f} ms; "
                     f"{pub['requests']:.0f} of {whole['requests']:.0f} requests)",
                     "(no goal of its own: see freshness)", registration["date"]))
+        if "parallel_ratio_p50" in registration:
+            one = registration["publish_one_at_a_time"]
+            out.append(("registration", "publish_version, independent MLflow requests together ÷ one at a time, p50",
+                        f"{registration['parallel_ratio_p50']:.2f} ({pub['p50_ms']:.0f} vs {one['p50_ms']:.0f} ms, "
+                        "interleaved)", "(no goal of its own)", registration["date"]))
     many = load("many_models")
     if many:
         last = many["rows"][-1]
@@ -122,9 +129,14 @@ def plots() -> list[Path]:
         for stage, s in fresh["stages"].items():
             values = s["values_s"]
             ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{stage} (n={len(values)})")
+        periodic = load("freshness-periodic")
+        for stage in ("committed", "broadcast") if periodic else ():
+            values = periodic["stages"][stage]["values_s"]
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], linestyle="--",
+                    label=f"{stage}, periodic checkpoints only (n={len(values)})")
         ax.axvline(fresh["checkpoint_ms"] / 1000, color="grey", linestyle=":", label="checkpoint interval")
         ax.set(xlabel="seconds after the window's end", ylabel="fraction of versions",
-               title=f"Freshness per stage ({fresh['date']})")
+               title=f"Freshness per stage, checkpoint on each version ({fresh['date']})")
         ax.legend()
         written.append(_save(fig, "freshness.png"))
     trainer = load("trainer_overhead")
