@@ -28,14 +28,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
-from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
-from mlflow.exceptions import MlflowException, RestException
-from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+# Before mlflow is imported: when its usage telemetry's thread fails to fetch its config
+# (offline), it pops an environment variable there, and a request iterating os.environ at that
+# moment fails with KeyError '_MLFLOW_TELEMETRY_SESSION_ID' (seen: a job's first registration
+# failed and waited 1 s for its retry). Off unless set: a registering job has nothing to report.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from connectors.artifact_store import ArtifactStore
-from core.messages import AdapterVersionBroadcast, VersionRecord
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import Metric, Param  # noqa: E402
+from mlflow.entities.model_registry import ModelVersion, ModelVersionTag  # noqa: E402
+from mlflow.exceptions import MlflowException, RestException  # noqa: E402
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository  # noqa: E402
+
+from connectors.artifact_store import ArtifactStore  # noqa: E402
+from core.messages import AdapterVersionBroadcast, VersionRecord  # noqa: E402
 
 log = logging.getLogger(__name__)
 
