@@ -98,6 +98,8 @@ class FinetuneFunction(KeyedProcessFunction):
                    "last_seen": "last_seen", "grace": "grace_timer", "adapter": "adapter", "seq": "seq",
                    "last_trigger": "last_trigger", "retracted": "retracted", "quality": "quality"}
 
+    checkpoints = None  # a CheckpointRequester with --checkpoint-on-version (set in open)
+
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
 
@@ -127,7 +129,6 @@ class FinetuneFunction(KeyedProcessFunction):
         metrics.gauge("live_adapters", lambda: LoraTrainer.live_totals()["adapters"])
         metrics.gauge("live_adapter_bytes", lambda: LoraTrainer.live_totals()["bytes"])
         self.watch_pending()
-        self.checkpoints = None
         if self.settings.checkpoint_on_version:
             from connectors.flink_checkpoints import CheckpointRequester
 
@@ -142,7 +143,7 @@ class FinetuneFunction(KeyedProcessFunction):
         metrics.gauge("pending_samples", lambda: sum(self.pending.sizes.values()))
 
     def close(self):
-        if getattr(self, "checkpoints", None) is not None:
+        if self.checkpoints is not None:
             self.checkpoints.close()
 
     def _request_checkpoint(self) -> None:
