@@ -18,7 +18,7 @@ No goal of its own: issue 15's goal is window end → broadcast p95 ≤ one chec
 interval, measured by bench/freshness.py; this shows how much of the registration stays on
 that path.
 
-    .venv/bin/python bench/registration.py [--versions 200]
+    .venv/bin/python bench/registration.py [--versions 400]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,8 +40,6 @@ sys.path.insert(0, str(REPO))
 import requests  # noqa: E402
 
 from connectors.artifact_store import ArtifactStore, sha256_hex  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-
 import connectors.mlflow_registry as mlflow_registry  # noqa: E402
 from connectors.mlflow_registry import RegistryCache, finish_run, make_client, publish_version  # noqa: E402
 from core.messages import VersionRecord  # noqa: E402
@@ -87,7 +86,8 @@ def main() -> None:
     parallel_pool = mlflow_registry._request_pool
     single = ThreadPoolExecutor(max_workers=1)
     warm_up = 3  # the model, its experiment and its training run are created by the first versions
-    print(f"registering {args.versions + warm_up} versions (every other one with one request at a time) of {model_id} at {config.mlflow_uri} ...", flush=True)
+    print(f"registering {args.versions + warm_up} versions of {model_id} at {config.mlflow_uri}, every other one "
+          "with one request at a time ...", flush=True)
     for seq in range(1, args.versions + warm_up + 1):
         r = record(store, model_id, seq)
         sequential = seq % 2 == 1
@@ -106,6 +106,7 @@ def main() -> None:
                 rows.append((t1 - t0, t2 - t1, n1 - n0, n2 - n1))
     requests.Session.send = send
     mlflow_registry._request_pool = parallel_pool
+    single.shutdown()
 
     def stats(values: list[float]) -> dict:
         values = sorted(values)

@@ -34,13 +34,13 @@ RETRY_AFTER_S = 1.0   # after a refused request (the job restarting, the JobMana
 class CheckpointRequester:
     """`request()` from the operator's thread; the REST calls run on a daemon thread of its own.
 
-    `sent` and `failures` count REST requests; the operator reads them on its own thread
-    (Flink's Python metrics count only there).
+    `failures` counts refused REST requests; the operator reads it on its own thread (Flink's
+    Python metrics count only there).
     """
 
     def __init__(self, rest_url: str, job_id: str):
         self.rest_url, self.job_id = rest_url.rstrip("/"), job_id
-        self.sent = self.failures = 0
+        self.failures = 0
         self._wanted = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -68,7 +68,6 @@ class CheckpointRequester:
                 answer = session.post(base, json={"checkpointType": "CONFIGURED"}, timeout=5)
                 answer.raise_for_status()
                 trigger = answer.json()["request-id"]
-                self.sent += 1
                 deadline = time.monotonic() + GIVE_UP_S
                 while not self._closed and time.monotonic() < deadline:
                     status = session.get(f"{base}/{trigger}", timeout=5).json()

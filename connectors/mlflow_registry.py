@@ -116,12 +116,12 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
     if model_id not in cache.models:
         _ensure_registered_model(client, model_id)
         cache.models.add(model_id)
-    requests = _request_pool()
+    pool = _request_pool()
     # Requests that do not wait on each other go out together: the critical path is four
     # round trips (run, uploads, version, aliases) instead of seven. The champion's loss is
     # read while the run is created: this model's previous version set its aliases before
     # this call began (one registrar per model, in seq order).
-    champion_loss = requests.submit(_champion_loss_after, client, model_id) if record.gate is None else None
+    champion_loss = pool.submit(_champion_loss_after, client, model_id) if record.gate is None else None
     seq, metrics, adapter = record.seq, record.metrics, record.adapter
     run = client.create_run(_experiment_id(client, model_id, cache), run_name=version_id, tags={
         f"{TAG}version_id": version_id, f"{TAG}model_id": model_id, f"{TAG}seq": str(seq)})
@@ -136,7 +136,7 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
                 path = os.path.join(tmp, name)
                 with open(path, "wb") as f:
                     f.write(data)
-                uploads.append(requests.submit(repository.log_artifact, path, "adapter"))
+                uploads.append(pool.submit(repository.log_artifact, path, "adapter"))
             for upload in uploads:
                 upload.result()
     except Exception:
@@ -162,7 +162,7 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
     # The gate was decided in the trainer, on the same eval data for both versions; without
     # one, the champion's loss is read each time, not cached: a rollback elsewhere moves it.
     promote = record.gate.promote if record.gate is not None else metrics.loss_after <= champion_loss.result()
-    aliases = [requests.submit(_set_alias, client, model_id, alias, mv.version)
+    aliases = [pool.submit(_set_alias, client, model_id, alias, mv.version)
                for alias in (("candidate", "champion") if promote else ("candidate",))]
     for alias in aliases:
         alias.result()
