@@ -18,8 +18,8 @@ test: install
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The benchmarks of bench/, one after another, each on a freshly restarted local stack (Tansu
-# slows down as topics pile up, and one TaskManager running job after job has crashed: README
-# "Benchmarks"), then one table.
+# slows down as topics pile up, and one TaskManager running job after job has crashed:
+# docs/benchmarks.md), then one table.
 BENCHES := freshness.py "freshness.py --periodic-only" registration.py trainer_overhead.py "cdc_latency.py --modes process" submit.py serving.py many_models.py ingest.py
 bench: install
 	for b in $(BENCHES); do \
