@@ -8,6 +8,17 @@ envelope, and leave on CHANGE_TAG keyed by the changed row.
 Counters `records_in`, `valid` and `dead_lettered` (Flink metrics of this operator)
 satisfy records_in == valid + dead_lettered at every checkpoint.
 
+Personal data (core/redaction.py, STREAMTUNE_REDACT: `pii` by default, `off`): the prompt and
+completion of every valid sample and inference record, and the payload and detail of every
+dead letter, are redacted here, before any window or the DLQ; counters `redactions` (total)
+and `redactions_<rule>` (email, card, phone) count the replacements.
+
+Event time (check_event_time, --max-event-skew-ms / --max-event-age-ms): a record whose
+Kafka timestamp lies further ahead of now than the skew, or a sample older than the
+retention, is dead-lettered with reason `timestamp`; the input table's watermark skips the
+same far-future records (connectors.flink_kafka), so a producer writing straight to the
+topic cannot close windows early or stall them until the idle rule.
+
 >>> parse("sample", '{"model_id": "bot", "sample_id": "1", "prompt": "p", "completion": "c", "ts": 0}',
 ...       1024, frozenset())
 ('sample', 'bot')
@@ -19,10 +30,15 @@ core.errors.InvalidMessage: model_id: String should match pattern '^[A-Za-z0-9][
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 from pyflink.common import Types
 from pyflink.datastream import OutputTag, ProcessFunction
 
 from core.errors import InvalidMessage
+from core.redaction import BUILTIN_RULES, redact, redact_payload, redaction_mode, scrub_credentials
 from core.messages import (ChangeEnvelope, DeadLetter, FeedbackSample, FinetuneSpec, InferenceRecord, RetrainTrigger,
                            SourcePosition, decode)
 
@@ -78,6 +94,30 @@ def parse(kind: str, payload, max_bytes: int, served: frozenset[str]):
     return kind, record.model_id
 
 
+def check_event_time(kind: str, ts: int | None, now_ms: int, max_skew_ms: int, max_age_ms: int) -> None:
+    """InvalidMessage `timestamp` for a record stamped more than `max_skew_ms` ahead of now
+    (any kind: it would move the watermark) or, for samples and inference responses, more
+    than `max_age_ms` ago (configs are state, replayed from the start of their topic). 0 = off.
+
+    >>> check_event_time("sample", 10_000, 10_000, 1000, 0)
+    >>> check_event_time("config", 20_000, 10_000, 1000, 0)
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidMessage: event time 20000 is 10000 ms ahead of now (max_event_skew_ms=1000)
+    >>> check_event_time("sample", 1, 10_000, 0, 5000)
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidMessage: event time 1 is 9999 ms old (max_event_age_ms=5000)
+    """
+    if ts is None:
+        return
+    if max_skew_ms > 0 and ts > now_ms + max_skew_ms:
+        raise InvalidMessage("timestamp", f"event time {ts} is {ts - now_ms} ms ahead of now "
+                                          f"(max_event_skew_ms={max_skew_ms})")
+    if max_age_ms > 0 and kind in ("sample", "inference") and ts < now_ms - max_age_ms:
+        raise InvalidMessage("timestamp", f"event time {ts} is {now_ms - ts} ms old (max_event_age_ms={max_age_ms})")
+
+
 def parse_change(payload: str | None, max_bytes: int, kafka_key: str | None) -> str:
     """Check a change event's envelope; returns the changed row's identity or raises InvalidMessage."""
     if not payload:
@@ -92,19 +132,42 @@ def parse_change(payload: str | None, max_bytes: int, kafka_key: str | None) -> 
     return event.row_key(event.key_fields)
 
 
+def redact_sample(payload: str, mode: str) -> tuple[str, dict[str, int]]:
+    """A valid sample's payload with its prompt and completion redacted (core/redaction.py);
+    the payload is returned unchanged, byte for byte, when nothing was found.
+
+    >>> redact_sample('{"prompt": "mail a@b.io", "completion": "ok", "ts": 0}', "pii")
+    ('{"prompt": "mail [email]", "completion": "ok", "ts": 0}', {'email': 1})
+    """
+    if mode == "off":
+        return payload, {}
+    obj, counts = json.loads(payload), {}
+    for name in ("prompt", "completion"):
+        if isinstance(obj.get(name), str):
+            obj[name], found = redact(obj[name], mode)
+            counts = {k: counts.get(k, 0) + found.get(k, 0) for k in {*counts, *found}}
+    return (json.dumps(obj) if counts else payload), counts  # ASCII: a lone surrogate stays escaped
+
+
 class ValidateFunction(ProcessFunction):
     def __init__(self, served: frozenset[str], config_topic: str, max_record_bytes: int,
-                 change_topics: frozenset[str] = frozenset(), inference_topics: frozenset[str] = frozenset()):
+                 change_topics: frozenset[str] = frozenset(), inference_topics: frozenset[str] = frozenset(),
+                 max_event_skew_ms: int = 0, max_event_age_ms: int = 0):
         self.served, self.config_topic = served, config_topic
         self.max_record_bytes = max_record_bytes
         self.change_topics = change_topics  # CDC topics: their records go to CHANGE_TAG
         self.inference_topics = inference_topics  # inference logs: kind "inference" (operators/pseudo_labels.py)
+        self.redact_mode = redaction_mode(os.environ)  # read where the job is built; travels with the function
+        # Event time bounds (check_event_time; 0 = off): the input's watermark ignores what they refuse.
+        self.max_event_skew_ms, self.max_event_age_ms = max_event_skew_ms, max_event_age_ms
 
     def open(self, runtime_context):
         metrics = runtime_context.get_metrics_group()
         self.records_in = metrics.counter("records_in")
         self.valid = metrics.counter("valid")
         self.dead_lettered = metrics.counter("dead_lettered")
+        self.redactions = {"total": metrics.counter("redactions"),
+                           **{rule: metrics.counter(f"redactions_{rule}") for rule, _, _ in BUILTIN_RULES}}
 
     def process_element(self, row, ctx):
         payload, topic, partition, offset = row["payload"], row["topic"], row["partition"], row["offset"]
@@ -119,9 +182,28 @@ class ValidateFunction(ProcessFunction):
                 yield CHANGE_TAG, (row_key, payload, topic, partition, offset, ts)
                 return
             kind, model_id = parse(kind, payload, self.max_record_bytes, self.served)
+            check_event_time(kind, ts, int(time.time() * 1000), self.max_event_skew_ms, self.max_event_age_ms)
         except InvalidMessage as e:
             self.dead_lettered.inc()
-            yield DLQ_TAG, dead_letter(e.code, e.detail, payload, topic, partition, offset, ts, kind)
+            payload, detail = self._redacted(payload, redact_payload), self._redacted(e.detail)
+            yield DLQ_TAG, dead_letter(e.code, detail, payload, topic, partition, offset, ts, kind)
             return
         self.valid.inc()
+        if kind in ("sample", "inference"):  # before any window: personal data never reaches a batch, version or run
+            payload, found = redact_sample(payload, self.redact_mode)
+            self._count_redactions(found)
         yield kind, model_id, payload, topic, partition, offset, ts
+
+    def _redacted(self, text, how=redact):
+        if not text:
+            return text
+        text, _ = scrub_credentials(text)  # whatever the redaction mode: never copy a credential
+        text, found = how(text, self.redact_mode)
+        self._count_redactions(found)
+        return text
+
+    def _count_redactions(self, found: dict[str, int]) -> None:
+        for rule, n in found.items():
+            self.redactions["total"].inc(n)
+            if rule in self.redactions:
+                self.redactions[rule].inc(n)

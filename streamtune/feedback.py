@@ -10,11 +10,12 @@ from typing import Iterable
 
 from kafka import KafkaProducer
 
+from core import transport
 from core.messages import FeedbackSample, FinetuneSpec, RetrainTrigger
 
 
 def producer(bootstrap: str) -> KafkaProducer:
-    return KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    return KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, **transport.kafka_python_kwargs())
 
 
 def send_config(bootstrap: str, topic: str, record: FinetuneSpec | RetrainTrigger, ts_ms: int) -> None:

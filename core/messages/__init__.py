@@ -25,12 +25,12 @@ from core.messages.feedback import FeedbackSample
 from core.messages.inference import InferenceRecord
 from core.messages.review import ReviewRecord
 from core.messages.spec import (AdapterConfig, EvaluationConfig, EwcConfig, FinetuneSpec, PseudoLabelConfig, ReplayConfig,
-                                 TrainingConfig, TriggerPolicy)
+                                 RetentionPolicy, TrainingConfig, TriggerPolicy)
 from core.messages.trigger import RetrainTrigger
 from core.messages.version import (EvalScore, EvalSetResult, GateDecision, Lineage, OffsetRange, VersionMetrics,
                                   VersionRecord)
 
 __all__ = ["AliasMove", "MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
            "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample", "InferenceRecord",
-           "AdapterConfig", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "PseudoLabelConfig", "ReplayConfig", "ReviewRecord", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
+           "AdapterConfig", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "PseudoLabelConfig", "ReplayConfig", "RetentionPolicy", "ReviewRecord", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
            "OffsetRange", "VersionMetrics", "VersionRecord", "EvalScore", "EvalSetResult", "GateDecision"]

@@ -26,7 +26,7 @@ class AdapterVersionBroadcast(Message):
     seq: int = Field(ge=1)
     mlflow_version: int = Field(ge=1)
     model_uri: str                       # models:/<model_id>/<mlflow_version>
-    sha256: str
+    sha256: str                          # of the artifact's manifest.json: covers every file, as in the version record
     artifact_uri: str                    # the artifact store URI, as in the version record
     aliases: list[str]
     # When the registry created the version (ms), the time its `aliases` hold as of: readers

@@ -16,11 +16,15 @@ from core.messages.base import Message
 
 # Why a record was dead-lettered (the `reason` field).
 REASONS = ("empty", "oversized", "bad_json", "schema", "unsupported_source", "unknown_model",
-           "not_a_change_event", "no_row_key", "unmappable", "artifact_integrity", "no_pseudo_labels")
+           "not_a_change_event", "no_row_key", "unmappable", "artifact_integrity", "no_pseudo_labels",
+           "timestamp", "unsigned_response")
 
 
 class SourcePosition(Message):
-    """Where a record was read: topic, partition, offset and its Kafka timestamp (ms)."""
+    """Where a record was read: topic, partition, offset and its Kafka timestamp (ms).
+
+    An event the control plane refused before producing it (POST /v1/feedback) names the
+    topic it was meant for, partition and offset -1 (never written there) and its `ts`."""
 
     topic: str
     partition: int

@@ -2,7 +2,7 @@
 policy. Sent to a job's config topic (key: model_id); a newer spec is a hot update applied
 at the next window.
 
-The seed's example is the smallest valid spec:
+The project's example is the smallest valid spec:
 
 >>> spec = FinetuneSpec.model_validate({"model_id": "llama3-8b-streaming-v2",
 ...     "stream_source": "kafka://topic=user_feedback_v3",
@@ -33,6 +33,57 @@ core.errors.InvalidMessage: threshold: Input should be greater than 0
 Traceback (most recent call last):
 ...
 core.errors.InvalidMessage: (root): Value error, evaluation needs an eval set: holdout_fraction > 0, eval_uri, or both
+
+Every size in a spec has a cap, so one spec cannot make a TaskManager allocate without bound
+(the fixed eval file's byte cap is the reader's, operators/quality.py):
+
+| field                                   | accepted             | why the cap                                  |
+|-----------------------------------------|----------------------|----------------------------------------------|
+| adapter_config.rank                     | 1 .. 512             | adapter and optimizer state grow with it     |
+| adapter_config.alpha                    | (0, 4096]            | a scale: larger only destabilises            |
+| adapter_config.target_modules           | 1 .. 64 names, <= 128 chars | one adapter per module                |
+| trigger_policy.min_samples_per_window   | 1 .. 100,000         | samples held in keyed state per window       |
+| trigger_policy.window_seconds           | 1 .. 86,400          | samples held until the window closes         |
+| trigger_policy.max_samples_per_step     | 1 .. 100,000         | one step's batch in memory                   |
+| training.micro_batch_size               | 1 .. 4,096           | activations per forward pass                 |
+| training.flush_every                    | 1 .. 1,024           | micro-batches accumulated per step           |
+| training.max_seq_len (tokens)           | 8 .. 32,768          | activations grow with it                     |
+| training.epochs                         | 1 .. 100             | passes per window: step time                 |
+| evaluation.recent_size / retained_size  | .. 10,000            | eval samples kept in keyed state             |
+| evaluation.fixed_size                   | 1 .. 10,000          | lines of eval_uri scored                     |
+| evaluation.eval_uri                     | <= 4,096 chars; file <= 64 MiB (STREAMTUNE_EVAL_MAX_BYTES), under the eval roots | read by every worker |
+| replay.buffer_size                      | 1 .. 100,000         | samples kept in keyed state                  |
+| replay.ratio                            | (0, 16]              | replayed samples per new one                 |
+| seed                                    | a signed 64-bit int  | what torch accepts                           |
+| model_id / stream_source / base_model   | 128 / 2,048 / 1,024 chars | stored and published with every record  |
+| retention.keep_last                     | 1 .. 100,000 (default 50) | versions kept in the registry besides the aliased ones |
+
+>>> RetentionPolicy().keep_last, spec.model_copy(update={"retention": RetentionPolicy(keep_last=5)}).spec_hash() != spec.spec_hash()
+(50, True)
+>>> RetentionPolicy.from_dict({"keep_last": 0})
+Traceback (most recent call last):
+...
+core.errors.InvalidMessage: keep_last: Input should be greater than or equal to 1
+>>> TriggerPolicy.from_dict({"min_samples_per_window": 1, "window_seconds": 1, "max_samples_per_step": 10**6})
+Traceback (most recent call last):
+...
+core.errors.InvalidMessage: max_samples_per_step: Input should be less than or equal to 100000
+
+An eval file under /dev, /proc or /sys, or with `..` in its path, is refused here; the
+reader confines it to the eval roots and caps what it reads (operators/quality.py):
+
+>>> EvaluationConfig.from_dict({"eval_uri": "file:///dev/zero"})
+Traceback (most recent call last):
+...
+core.errors.InvalidMessage: eval_uri: Value error, eval_uri must be a regular JSONL file, not under /dev, /proc or /sys
+
+A stream_source with a password is refused without repeating it (core/sources/base.py):
+the value pydantic reports back is redacted too.
+
+>>> FinetuneSpec.from_dict({**spec.model_dump(), "stream_source": "postgres://u:hunter2@db/app?table=t"})
+Traceback (most recent call last):
+...
+core.errors.InvalidMessage: stream_source: Value error, a password in a source URI is refused (it would be stored, published and shown): name a secret reference instead, ?password_env=VAR or ?password_file=/run/secrets/FILE
 """
 
 from __future__ import annotations
@@ -44,21 +95,25 @@ from typing import Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from core.messages.base import MODEL_ID, Message
-from core.sources import SourceKind, source_for
+from core.sources import SourceKind, redact_uri, source_for, uri_has_secret
+from core.sources.base import allow_uri_passwords
 from core.sources.kafka import KafkaSource
+
+# Never an eval set: devices and kernel files (/dev/zero, /dev/urandom never end).
+SPECIAL_ROOTS = ("/dev", "/proc", "/sys")
 
 
 class AdapterConfig(Message):
     rank: int = Field(ge=1, le=512)
-    alpha: float = Field(gt=0, allow_inf_nan=False)  # JSON 1e999 is inf: NaN weights, a null in versions
-    target_modules: list[str] = Field(min_length=1)
+    alpha: float = Field(gt=0, le=4096, allow_inf_nan=False)  # JSON 1e999 is inf: NaN weights, a null in versions
+    target_modules: list[str] = Field(min_length=1, max_length=64)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
 
     @field_validator("target_modules")
     @classmethod
     def _distinct(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v) or any(not m for m in v):
-            raise ValueError("target_modules must be distinct, non-empty names")
+        if len(set(v)) != len(v) or any(not m or len(m) > 128 for m in v):
+            raise ValueError("target_modules must be distinct, non-empty names of at most 128 characters")
         return v
 
     @property
@@ -68,9 +123,9 @@ class AdapterConfig(Message):
 
 
 class TriggerPolicy(Message):
-    min_samples_per_window: int = Field(ge=1)
+    min_samples_per_window: int = Field(ge=1, le=100_000)
     window_seconds: int = Field(ge=1, le=86400)
-    max_samples_per_step: int = Field(default=1024, ge=1)
+    max_samples_per_step: int = Field(default=1024, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _cap_above_min(self) -> "TriggerPolicy":
@@ -106,13 +161,26 @@ class EvaluationConfig(Message):
     # Chosen by a hash of sample_id (of the row, for CDC samples): held out on every replay, never trained.
     holdout_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     # JSONL of {"prompt", "completion"} per line: a local path or file:// URI, read by every worker.
-    eval_uri: Optional[str] = Field(default=None, pattern=r"^(file://)?/")
+    # Confined to the eval roots and read at most STREAMTUNE_EVAL_MAX_BYTES (operators/quality.py).
+    eval_uri: Optional[str] = Field(default=None, pattern=r"^(file://)?/", max_length=4096)
     metric: Literal["exact_match", "loss"] = "exact_match"  # exact_match: greedy decoding equals the completion
     recent_size: int = Field(default=64, ge=1, le=10_000)
     retained_size: int = Field(default=256, ge=0, le=10_000)
     fixed_size: int = Field(default=256, ge=1, le=10_000)  # lines of eval_uri used (a hash sample beyond it)
     tolerance: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     forgetting_tolerance: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+
+    @field_validator("eval_uri")
+    @classmethod
+    def _plain_file(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        path = v.removeprefix("file://")
+        if "\0" in path or ".." in path.split("/"):
+            raise ValueError("eval_uri must be an absolute path without '..'")
+        if any(path == root or path.startswith(root + "/") for root in SPECIAL_ROOTS):
+            raise ValueError("eval_uri must be a regular JSONL file, not under /dev, /proc or /sys")
+        return v
 
     @model_validator(mode="after")
     def _has_eval_set(self) -> "EvaluationConfig":
@@ -149,18 +217,39 @@ class PseudoLabelConfig(Message):
     weight: float = Field(default=1.0, ge=0.0, le=10.0)     # the loss weight of a pseudo-labelled sample
 
 
+class RetentionPolicy(Message):
+    """Which registered versions of a model stay in MLflow (connectors/registry_retention.py):
+    every version an alias points at, and the newest `keep_last`; the others are deleted from
+    the registry, their runs and their files in the artifact store. Without the section the
+    default applies (the newest 50): at 1 s windows a model would otherwise gain 86,400
+    versions a day."""
+
+    keep_last: int = Field(default=50, ge=1, le=100_000)
+
+
 class FinetuneSpec(Message):
     model_id: str = Field(pattern=MODEL_ID)
-    stream_source: str
+    stream_source: str = Field(max_length=2048)
     adapter_config: AdapterConfig
     trigger_policy: TriggerPolicy
-    base_model: Optional[str] = None
+    base_model: Optional[str] = Field(default=None, max_length=1024)
     training: TrainingConfig = TrainingConfig()
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2 ** 63), le=2 ** 63 - 1)
     evaluation: Optional[EvaluationConfig] = None
     replay: Optional[ReplayConfig] = None
     ewc: Optional[EwcConfig] = None
     pseudo_labels: Optional[PseudoLabelConfig] = None
+    retention: Optional[RetentionPolicy] = None  # None: RetentionPolicy()'s default
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redact_refused_secret(cls, data):
+        """A stream_source with a password is refused below; what pydantic reports back as
+        the refused input (the API's 422 answer, logs) must not carry it: redact it first."""
+        if isinstance(data, dict) and isinstance(data.get("stream_source"), str) and not allow_uri_passwords() \
+                and uri_has_secret(data["stream_source"]):
+            return {**data, "stream_source": redact_uri(data["stream_source"])}
+        return data
 
     @field_validator("stream_source")
     @classmethod
@@ -184,7 +273,7 @@ class FinetuneSpec(Message):
 
     def spec_hash(self) -> str:
         fields = self.model_dump(mode="json")
-        for optional in ("evaluation", "replay", "ewc", "pseudo_labels"):  # absent sections leave the hash of older specs as it was
+        for optional in ("evaluation", "replay", "ewc", "pseudo_labels", "retention"):  # absent sections leave the hash of older specs as it was
             if fields[optional] is None:
                 del fields[optional]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

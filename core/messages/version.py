@@ -27,7 +27,7 @@ from pydantic import Field
 
 from core.messages.base import MODEL_ID, Message
 from core.messages.change import ChangeOrigin
-from core.messages.spec import AdapterConfig, TriggerPolicy
+from core.messages.spec import AdapterConfig, RetentionPolicy, TriggerPolicy
 
 
 class VersionMetrics(Message):
@@ -93,9 +93,11 @@ class VersionRecord(Message):
     window_start: int
     window_end: int
     # The artifact store URI of the immutable PEFT files (adapter_config.json +
-    # adapter_model.safetensors), named by their sha256: readable from every machine.
+    # adapter_model.safetensors + manifest.json), named by their sha256: readable from every machine.
     artifact_uri: str = Field(pattern=r"^[a-z][a-z0-9+.-]*://")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # of adapter_model.safetensors
+    # Of the artifact's manifest.json, which lists every file's sha256 (config and weights):
+    # the whole artifact, checked file by file by every reader (connectors/artifact_store.py).
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     base_model: str
     config_version: int = Field(ge=1)
     fresh_adapter: bool
@@ -105,6 +107,7 @@ class VersionRecord(Message):
     lineage: Lineage
     trigger: Literal["window", "max_samples", "forced"]
     gate: Optional[GateDecision] = None  # with the spec's evaluation section: the promotion decision
+    retention: Optional[RetentionPolicy] = None  # the spec's; None: the default policy applies
 
 
 EXAMPLE = {

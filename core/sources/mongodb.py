@@ -1,4 +1,6 @@
-"""`mongodb://host:port/?db=NAME&collection=NAME[&replicaSet=…]`.
+"""`mongodb://[user@]host:port/?db=NAME&collection=NAME[&replicaSet=…][&password_env=VAR|&password_file=/PATH]`.
+
+No password in the URI (core/sources/base.py): the capture reads it from the secret reference.
 
 Change events carry the resume token and the change's clusterTime (seconds in `ts_ms`,
 increment in `ord`); they are ordered by (clusterTime, increment, token).

@@ -1,4 +1,7 @@
-"""`postgres://user:pass@host:port/db?table=T[&table=T2][&slot=S][&publication=P]`.
+"""`postgres://user@host:port/db?table=T[&table=T2][&slot=S][&publication=P][&password_env=VAR|&password_file=/PATH]`.
+
+No password in the URI (core/sources/base.py): `password_env` / `password_file` name where
+the capture reads it; without either, libpq's own defaults apply (PGPASSWORD, ~/.pgpass).
 
 Tables are `schema.table` (a bare name is in `public`). Change events carry Debezium's
 PostgreSQL source fields; they are ordered by (commit LSN, change LSN, index in the
@@ -11,6 +14,10 @@ transaction).
 Traceback (most recent call last):
 ...
 ValueError: slot must be a PostgreSQL identifier ([a-z_][a-z0-9_]*, at most 63 chars), got 'x;DROP'
+>>> source_for("postgres://u@h/app?table=a&password=s3cret")
+Traceback (most recent call last):
+...
+ValueError: a password in a source URI is refused (it would be stored, published and shown): name a secret reference instead, ?password_env=VAR or ?password_file=/run/secrets/FILE
 >>> lsn_text(parse_lsn("16/B374D848"))
 '16/B374D848'
 """

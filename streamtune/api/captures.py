@@ -8,6 +8,12 @@ was in flight, which the retrain job drops. The API stops its captures when it e
 starts them again for the pipelines on record when it starts. Each capture's pid is kept in
 `<dir>/<name>.pid`: a capture left running by an API that was killed is stopped before a
 new one starts (two captures would fight over one replication slot).
+
+Credentials reach a capture through its environment, never its command line (`ps` shows
+every process's arguments to every user): the argv holds the source URI, which carries at
+most a secret reference (`password_env=VAR`, `password_file=PATH`; core/sources/base.py), and
+the environment is chosen per capture by `env_for(source)` (streamtune/api/app.py
+capture_env: the stack's PostgreSQL password only for a source on the stack's own server).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
+from core.sources import SourceKind
 from streamtune.stack.process import terminate
 
 log = logging.getLogger("streamtune.api.captures")
@@ -31,6 +38,7 @@ STOP_TIMEOUT_S = 15.0
 class _Capture:
     argv: list[str]
     log_file: Path
+    env: dict[str, str]
     proc: Optional[subprocess.Popen] = None
     restarts: int = 0
     next_start: float = 0.0
@@ -38,26 +46,35 @@ class _Capture:
     started_at: float = field(default_factory=time.monotonic)
 
 
+EnvFor = Callable[[Optional[SourceKind]], dict[str, str]]
+
+
 class CaptureSupervisor:
-    def __init__(self, log_dir: Path, env: dict[str, str], poll_s: float = 0.5):
-        self.log_dir, self.env, self.poll_s = Path(log_dir), env, poll_s
+    """`env`: one environment for every capture, or `env_for(source)`, the environment of a
+    capture of `source` (None: no particular source)."""
+
+    def __init__(self, log_dir: Path, env: Union[dict[str, str], EnvFor], poll_s: float = 0.5):
+        self.log_dir, self.poll_s = Path(log_dir), poll_s
+        self.env_for: EnvFor = env if callable(env) else (lambda source, fixed=dict(env): dict(fixed))
         self._captures: dict[str, _Capture] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="capture-supervisor", daemon=True)
         self._watcher.start()
 
-    def ensure(self, name: str, argv: list[str]) -> int:
-        """Run `argv` as capture `name` (restarting it when its arguments changed); its pid."""
+    def ensure(self, name: str, argv: list[str], source: Optional[SourceKind] = None) -> int:
+        """Run `argv` as capture `name` of `source` (restarting it when its arguments or
+        environment changed); its pid."""
+        env = self.env_for(source)
         with self._lock:
             current = self._captures.get(name)
-            if current is not None and current.argv == argv and _alive(current.proc):
+            if current is not None and current.argv == argv and current.env == env and _alive(current.proc):
                 return current.proc.pid
             if current is not None:
                 _terminate(current.proc)
             else:
                 self._stop_orphan(name)
-            capture = _Capture(argv, self.log_dir / f"{name}.log")
+            capture = _Capture(argv, self.log_dir / f"{name}.log", env)
             self._spawn(name, capture)
             self._captures[name] = capture
             return capture.proc.pid
@@ -90,7 +107,7 @@ class CaptureSupervisor:
     def _spawn(self, name: str, capture: _Capture) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(capture.log_file, "ab") as out:
-            capture.proc = subprocess.Popen(capture.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            capture.proc = subprocess.Popen(capture.argv, stdout=out, stderr=subprocess.STDOUT, env=capture.env,
                                             start_new_session=True)
         capture.started_at = time.monotonic()
         self._pid_file(name).write_text(str(capture.proc.pid))

@@ -1,6 +1,6 @@
 """Command line of the control plane: `streamtune api` runs the service; the others call it.
 
-    streamtune api --host 127.0.0.1 --port 8000 [--token-file F] [--read-auth]
+    streamtune api --host 127.0.0.1 --port 8000 [--tokens-file F] [--token-file F] [--insecure]
     streamtune submit spec.json        POST /v1/stream-finetune
     streamtune status MODEL            GET  /v1/stream-finetune/MODEL
     streamtune versions MODEL          GET  /v1/models/MODEL/versions
@@ -10,9 +10,18 @@
     streamtune delete -f pipeline.yaml              DELETE /v1/pipelines/NAME
     streamtune get pipelines [NAME]                 GET /v1/pipelines[/NAME]
 
+`streamtune api` takes its tokens as streamtune.auth describes (--tokens-file with
+`scope token` lines, $STREAMTUNE_TOKENS_DIR, $STREAMTUNE_TOKENS_<SCOPE>, the older
+--token-file / $STREAMTUNE_API_TOKEN as admin). It refuses to start without any token, and
+on an address beyond loopback without one unless --insecure (tests and demos only: anyone
+may then call everything).
+
 The client commands take --url (default $STREAMTUNE_API_URL or http://127.0.0.1:8000) and
-the token from --token-file or $STREAMTUNE_API_TOKEN. They print the JSON answer on stdout.
-Every error is one line on stderr, with an exit code from core.errors:
+the token from --token-file, else $STREAMTUNE_API_TOKEN, else $STREAMTUNE_TOKENS_ADMIN (or
+$STREAMTUNE_TOKENS_READ for the reads: status, versions, get). They print the answer on stdout
+as -o table|json|yaml says (default: a table on a terminal, JSON otherwise). `submit` waits
+for the job to start and says so on stderr every few seconds.
+Every error is one line on stderr, `streamtune: ...`, with an exit code from core.errors:
 
 | exit code | when                                                                          |
 |-----------|-------------------------------------------------------------------------------|
@@ -24,16 +33,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
-import requests
+from core.errors import ConfigError, ServiceUnavailable, StreamtuneError, report
 
-from core.errors import ConfigError, ServiceUnavailable, StreamtuneError
-
-from .app import ApiSettings, create_app, read_token
+from streamtune.output import add_output_option, emit
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -45,15 +55,53 @@ class RequestRejected(StreamtuneError):
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get("STREAMTUNE_API_URL", DEFAULT_URL), help="the API's base URL")
     p.add_argument("--token-file", default=None, help="file holding the bearer token (else $STREAMTUNE_API_TOKEN)")
+    add_output_option(p)
 
 
-def call(args, method: str, path: str, body=None) -> int:
-    """Send the request and print the JSON answer; RequestRejected or ServiceUnavailable
+def _request(method: str, url: str, body, headers: dict, progress: str | None):
+    """requests.request, with a status line on stderr every few seconds while it waits when
+    `progress` names what it waits for (a spinner on a terminal, plain lines otherwise)."""
+    import requests
+
+    if progress is None:
+        return requests.request(method, url, json=body, headers=headers, timeout=600)
+    outcome: dict = {}
+
+    def send() -> None:
+        try:
+            outcome["response"] = requests.request(method, url, json=body, headers=headers, timeout=600)
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=send, daemon=True)
+    started = time.monotonic()
+    worker.start()
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        with Console(stderr=True).status(progress) as status:
+            while worker.is_alive():
+                worker.join(0.5)
+                status.update(f"{progress} ({time.monotonic() - started:.0f} s)")
+    else:
+        while not worker.join(5) and worker.is_alive():
+            print(f"streamtune: {progress} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["response"]
+
+
+def call(args, method: str, path: str, body=None, progress: str | None = None) -> int:
+    """Send the request and print the answer (-o); RequestRejected or ServiceUnavailable
     for an error answer."""
-    token = read_token(args.token_file)
+    import requests
+
+    from streamtune.auth import client_token, read_single_token
+
+    token = read_single_token(args.token_file, "STREAMTUNE_API_TOKEN") or client_token("read" if method == "GET" else "admin")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = requests.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=600)
+        r = _request(method, args.url.rstrip("/") + path, body, headers, progress)
     except requests.RequestException as e:
         raise ServiceUnavailable(f"the streamtune API is not reachable at {args.url} ({type(e).__name__}); "
                                  "start it with `streamtune api`") from None
@@ -70,17 +118,27 @@ def call(args, method: str, path: str, body=None) -> int:
         if r.status_code >= 500 and r.status_code != 501:
             raise ServiceUnavailable(message)
         raise RequestRejected(message)
-    print(json.dumps(payload, indent=2))
+    emit(payload, getattr(args, "output", None))
     return 0
 
 
 def cmd_api(args) -> int:
     import uvicorn
 
-    settings = ApiSettings.from_env(token_file=args.token_file, **({"read_auth": True} if args.read_auth else {}))
-    if not settings.token:
-        raise ConfigError("no API token: set STREAMTUNE_API_TOKEN or pass --token-file")
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    from streamtune.auth import AccessPolicy
+
+    from .app import ApiSettings, create_app
+
+    settings = ApiSettings.from_env(token_file=args.token_file, tokens_file=args.tokens_file, host=args.host,
+                                    insecure=args.insecure)
+    AccessPolicy(settings.tokens, args.host, args.insecure, "streamtune api")  # no token beyond loopback: refused
+    if not settings.tokens.configured() and not args.insecure:
+        raise ConfigError("no API token: pass --tokens-file or --token-file, or set STREAMTUNE_TOKENS_DIR, "
+                          "STREAMTUNE_TOKENS_<SCOPE> or STREAMTUNE_API_TOKEN")
+    app = create_app(settings)  # ConfigError: no token beyond loopback without --insecure
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app.state.access.announce()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -89,7 +147,9 @@ def cmd_submit(args) -> int:
         spec = json.loads(Path(args.spec).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read spec {args.spec}: {e}") from None
-    return call(args, "POST", "/v1/stream-finetune", spec)
+    model = spec.get("model_id") if isinstance(spec, dict) else None
+    return call(args, "POST", "/v1/stream-finetune", spec,
+                progress=f"waiting for the API to start the job{f' of {model}' if model else ''}")
 
 
 def read_pipeline(path: str) -> dict:
@@ -123,10 +183,21 @@ def reporting_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
         try:
             return command(args)
         except StreamtuneError as e:
-            print(f"error: {e}", file=sys.stderr)
+            report(e)
             return e.exit_code
 
     return run
+
+
+def add_token_arguments(p) -> None:
+    """The token options every listener shares (`streamtune api`, `streamtune serve`)."""
+    p.add_argument("--token-file", default=None, help="file holding one admin token (else $STREAMTUNE_API_TOKEN)")
+    p.add_argument("--tokens-file", default=os.environ.get("STREAMTUNE_TOKENS_FILE"),
+                   help="tokens per scope, lines `SCOPE TOKEN` (admin, read, feedback, inference); re-read when "
+                        "it changes (default $STREAMTUNE_TOKENS_FILE)")
+    p.add_argument("--insecure", action="store_true",
+                   help="start without any token even beyond loopback: anyone may call everything "
+                        "(tests and demos only; logged as a WARNING)")
 
 
 def add_parsers(subparsers) -> None:
@@ -135,8 +206,7 @@ def add_parsers(subparsers) -> None:
     p = subparsers.add_parser("api", help="run the REST control plane (FastAPI, uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--token-file", default=None, help="file holding the bearer token (else $STREAMTUNE_API_TOKEN)")
-    p.add_argument("--read-auth", action="store_true", help="require the token on read endpoints too")
+    add_token_arguments(p)
     p.set_defaults(func=reporting_errors(cmd_api))
 
     p = subparsers.add_parser("submit", help="POST a fine-tune spec (JSON file) to the API")

@@ -9,7 +9,9 @@ Feedback events become feedback samples (core.messages.FeedbackSample):
 | correction  | prompt, corrected_completion (original ignored)| label corrected, completion = corrected, weight 1 |
 
 Every event has event_id (→ sample_id), model_id and ts (epoch ms, → sample ts and the
-Kafka record timestamp).
+Kafka record timestamp). POST /v1/feedback clamps the weight to its cap (1 by default) and
+dead-letters events whose `ts` or cited `request_id` it refuses (streamtune.api.feedback_limits);
+FeedbackAccepted says which: accepted + dead_lettered = events sent.
 
 >>> event = DwellEvent(type="dwell", model_id="bot", event_id="e1", prompt="x=1;y=", completion="2",
 ...                    dwell_seconds=5, ts=0)
@@ -225,8 +227,20 @@ class CorrectionEvent(_Event):
 FeedbackEvent = Annotated[Union[ClickEvent, DwellEvent, CorrectionEvent], Field(discriminator="type")]
 
 
+class FeedbackDeadLetter(BaseModel):
+    """An event of the request that was dead-lettered (to its model's job DLQ topic) instead
+    of produced as a sample."""
+    index: int = Field(description="position of the event in the request (0 for a single event)")
+    event_id: str
+    model_id: str
+    reason: Literal["timestamp", "unsigned_response"]
+    detail: str
+
+
 class FeedbackAccepted(BaseModel):
-    accepted: int
+    accepted: int = Field(description="events produced as samples")
+    dead_lettered: int = Field(default=0, description="events dead-lettered; accepted + dead_lettered = events sent")
+    dead_letters: list[FeedbackDeadLetter] = []
     topics: dict[str, str] = Field(description="model_id -> feedback topic")
 
 

@@ -1,19 +1,21 @@
 """The endpoints of the control plane.
 
-| endpoint                                | auth            | what it does                                  |
-|-----------------------------------------|-----------------|-----------------------------------------------|
-| POST   /v1/stream-finetune              | bearer          | submit a job for the spec's topic, or hot-update |
-| GET    /v1/stream-finetune/{model_id}   | read_auth       | job state, spec hash in force, last version, counters |
-| DELETE /v1/stream-finetune/{model_id}   | bearer          | forget the model; last model: stop job with savepoint |
-| GET    /v1/models/{model_id}/versions   | read_auth       | MLflow versions                               |
-| POST   /v1/models/{model_id}/aliases    | bearer          | move an alias (promote / roll back), logged   |
-| GET    /v1/models/{model_id}/promotions | read_auth       | the promotion log of that model               |
-| GET    /v1/models/{model_id}/serving    | read_auth       | streamtune serve's split and online metrics (proxied) |
-| POST   /v1/feedback                     | bearer/feedback | click / dwell / correction events → feedback topic |
+| endpoint                                | scope    | what it does                                  |
+|-----------------------------------------|----------|-----------------------------------------------|
+| POST   /v1/stream-finetune              | admin    | submit a job for the spec's topic, or hot-update |
+| GET    /v1/stream-finetune/{model_id}   | read     | job state, spec hash in force, last version, counters |
+| DELETE /v1/stream-finetune/{model_id}   | admin    | forget the model; last model: stop job with savepoint |
+| GET    /v1/models/{model_id}/versions   | read     | MLflow versions                               |
+| POST   /v1/models/{model_id}/aliases    | admin    | move an alias (promote / roll back), logged   |
+| GET    /v1/models/{model_id}/promotions | read     | the promotion log of that model               |
+| GET    /v1/models/{model_id}/serving    | read     | streamtune serve's split and online metrics (proxied) |
+| POST   /v1/feedback                     | feedback | click / dwell / correction events → feedback topic |
 
-Tokens. The write token (STREAMTUNE_API_TOKEN) is accepted everywhere. The feedback token
-(STREAMTUNE_API_FEEDBACK_TOKEN), meant for pages that embed /feedback.js, is accepted by
-POST /v1/feedback only: any other guarded call answers 403 to it.
+Tokens (streamtune.auth). An admin token (STREAMTUNE_API_TOKEN among others) passes every
+check; a read token the reads; the feedback token (STREAMTUNE_API_FEEDBACK_TOKEN), meant for
+pages that embed /feedback.js, POST /v1/feedback only: any other call answers 403 to it.
+Without a token every call but /healthz answers 401, before any lookup: a stranger cannot
+tell which models exist.
 
 Jobs. One Flink job per Kafka source topic T, named `streamtune-T`, reading feedback from T
 and configs from `T.configs`, writing versions to `T.versions` and dead letters to `T.dlq`.
@@ -35,11 +37,16 @@ tag over the model's MLflow versions (per model, exact for registered versions).
 Feedback. Events become feedback samples as `streamtune.api.models` describes. A request
 holds one event or a JSON array of at most `max_feedback_batch` events (413 beyond); every
 model must have a registered spec (404 otherwise) and nothing is produced unless the whole
-request is valid.
+request is valid. Feedback cannot steer production (streamtune.api.feedback_limits): each
+token's events are rate limited (429 with Retry-After), weights clamped to a cap, and an
+event whose `ts` lies beyond the skew or the retention (`timestamp`) or which cites a
+response id no server of the deployment signed (`unsigned_response`) is dead-lettered to its
+job's DLQ topic, never produced as a sample; the answer lists those events and why
+(accepted + dead_lettered = events sent).
 """
 
-import hmac
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,19 +56,20 @@ from typing import Annotated, Optional, Union
 from fastapi import APIRouter, Body, Depends, HTTPException, Path as PathParam, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 
-from core import defaults
-from core.messages import MODEL_ID, AliasMove, FinetuneSpec
+from core import defaults, redaction
+from core.messages import MODEL_ID, AliasMove, DeadLetter, FinetuneSpec, SourcePosition
+from streamtune.auth import Principal, RequireScope
 
 from .captures import CaptureSupervisor
+from .feedback_limits import FeedbackLimits
 from .gateway import (LIVE_STATES, MlflowNotFound, NotServed, StackGateway, StackUnavailable, job_name, job_topics,
                       unusable_job_topic)
 from .jobs_file import JobsFile, PromotionLog
-from .models import (AliasRequest, AliasResponse, Counters, ErrorBody, FeedbackAccepted, FeedbackEvent, Promotion,
-                     PromotionsResponse, ServingResponse, StatusResponse, StopResponse, SubmitResponse, VersionsResponse, Window,
-                     to_sample)
+from .models import (AliasRequest, AliasResponse, Counters, ErrorBody, FeedbackAccepted, FeedbackDeadLetter,
+                     FeedbackEvent, Promotion, PromotionsResponse, ServingResponse, StatusResponse, StopResponse,
+                     SubmitResponse, VersionsResponse, Window, to_sample)
 
 
 @dataclass
@@ -71,14 +79,13 @@ class ControlPlane:
     gateway: StackGateway
     jobs: JobsFile
     promotions: PromotionLog
-    token: Optional[str]
-    read_auth: bool
     max_feedback_batch: int
     captures: CaptureSupervisor    # the CDC pipelines' captures
     pipelines_dir: Path            # their mapping files
-    feedback_token: Optional[str] = None  # accepted by POST /v1/feedback only
     # Submitting and stopping read, change and write the jobs file: one at a time.
     jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+    # POST /v1/feedback's checks: signed response ids, event time, rate and weight cap.
+    feedback_limits: FeedbackLimits = field(default_factory=FeedbackLimits)
 
 
 def control_plane(request: Request) -> ControlPlane:
@@ -99,46 +106,21 @@ def _answer(status: int):
 EXCEPTION_HANDLERS = {StackUnavailable: _answer(503), MlflowNotFound: _answer(404), NotServed: _answer(404)}
 
 # ---------------------------------------------------------------- auth
-
-bearer = HTTPBearer(auto_error=False, description="STREAMTUNE_API_TOKEN")
-Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(bearer)]
-
-
-def _matches(token: Optional[str], presented: str) -> bool:
-    return bool(token) and hmac.compare_digest(presented.encode(), token.encode())
+# Each route declares its scope here (streamtune.auth); AuthMiddleware enforces it before
+# the route runs, and create_app refuses to build an app with a route that declares none.
 
 
-def _check_token(plane: ControlPlane, creds: Optional[HTTPAuthorizationCredentials], feedback: bool = False) -> str:
-    """The caller: "token" for the write token, "feedback-token" for the feedback token where
-    `feedback` allows it; 401 without a known token, 403 for the feedback token elsewhere."""
-    presented = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
-    if presented is not None and _matches(plane.token, presented):
-        return "token"
-    if presented is not None and _matches(plane.feedback_token, presented):
-        if feedback:
-            return "feedback-token"
-        raise HTTPException(403, "the feedback token is accepted by POST /v1/feedback only")
-    raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+def _actor(scope: str):
+    def caller(principal: Annotated[Principal, Depends(RequireScope(scope))]) -> str:
+        """Who called, as the promotion log names it (`scope:token id`, never the token)."""
+        return principal.actor
+
+    return caller
 
 
-def require_write(plane: Plane, creds: Credentials) -> str:
-    """The caller (the actor in the promotion log); 401 without the token, 403 for the feedback token."""
-    return _check_token(plane, creds)
-
-
-def require_read(plane: Plane, creds: Credentials) -> str:
-    """The caller; 401 without the token when read auth is on."""
-    return _check_token(plane, creds) if plane.read_auth else "anonymous"
-
-
-def require_feedback(plane: Plane, creds: Credentials) -> str:
-    """The caller of POST /v1/feedback: the write token or the feedback token."""
-    return _check_token(plane, creds, feedback=True)
-
-
-Writer = Annotated[str, Depends(require_write)]
-Reader = Annotated[str, Depends(require_read)]
-FeedbackWriter = Annotated[str, Depends(require_feedback)]
+Writer = Annotated[str, Depends(_actor("admin"))]
+Reader = Annotated[str, Depends(_actor("read"))]
+FeedbackWriter = Annotated[str, Depends(_actor("feedback"))]
 
 # ---------------------------------------------------------------- documented error answers
 
@@ -148,7 +130,7 @@ def _err(status: int, description: str) -> dict:
 
 
 AUTH_ERR = {**_err(401, "missing or wrong bearer token"),
-            **_err(403, "the feedback token, which only POST /v1/feedback accepts")}
+            **_err(403, "a token of another scope (e.g. the feedback token, which only POST /v1/feedback accepts)")}
 STACK_ERR = _err(503, "the Flink cluster, Kafka or MLflow is not reachable or failed")
 NOT_FOUND = _err(404, "no such model")
 TOO_LARGE = _err(413, "request body or batch too large")
@@ -313,22 +295,56 @@ def serving(model_id: ModelIdPath, actor: Reader, plane: Plane):
 
 @router.post("/v1/feedback", status_code=202, response_model=FeedbackAccepted,
              responses={**AUTH_ERR, **BAD_BODY, **_err(404, "a model has no registered spec"), **TOO_LARGE,
-                        **STACK_ERR})
+                        **_err(429, "the token's feedback rate is spent (Retry-After: seconds)"), **STACK_ERR})
 def feedback(body: Annotated[Union[FeedbackEvent, Annotated[list[FeedbackEvent], Field(min_length=1)]], Body()],
-             actor: FeedbackWriter, plane: Plane):
+             actor: FeedbackWriter, plane: Plane, request: Request):
+    """Events become samples on their model's topic, weights clamped to the cap; events with
+    a `ts` outside the skew/retention or citing a response id no server of this deployment
+    signed are dead-lettered to the job's DLQ topic instead (streamtune.api.feedback_limits)."""
     events = body if isinstance(body, list) else [body]
     if len(events) > plane.max_feedback_batch:
         raise HTTPException(413, f"{len(events)} events exceed the batch limit of {plane.max_feedback_batch}")
+    limits = plane.feedback_limits
+    wait = limits.admit(request.headers.get("authorization", ""), len(events))
+    if wait:
+        retry = "3600" if wait == float("inf") else str(max(1, math.ceil(wait)))
+        raise HTTPException(429, f"{len(events)} events exceed this token's feedback rate "
+                                 f"({limits.rate:g}/s, burst {limits.burst:g})", headers={"Retry-After": retry})
     models = plane.jobs.load()["models"]
     missing = sorted({e.model_id for e in events} - set(models))
     if missing:
         raise HTTPException(404, f"no registered spec for model(s) {', '.join(missing[:5])}")
     by_topic: dict[str, list] = {}
-    for e in events:
-        by_topic.setdefault(models[e.model_id]["topic"], []).append((e.model_id, to_sample(e), e.ts))
+    refused: list[FeedbackDeadLetter] = []
+    letters: dict[str, list] = {}  # DLQ topic -> records
+    now = _now_ms()
+    for i, e in enumerate(events):
+        topic = models[e.model_id]["topic"]
+        problem = limits.timestamp_problem(e.ts, now)
+        reason = "timestamp"
+        if problem is None:
+            problem, reason = limits.response_problem(e.request_id), "unsigned_response"
+        if problem is not None:
+            refused.append(FeedbackDeadLetter(index=i, event_id=e.event_id, model_id=e.model_id, reason=reason,
+                                              detail=problem))
+            letter = DeadLetter(reason=reason, detail=problem, kind="sample", model_id=e.model_id,
+                                payload=redaction.redact_at_edge(e.model_dump_json(exclude_none=True)),
+                                source=SourcePosition(topic=topic, partition=-1, offset=-1, timestamp=e.ts))
+            letters.setdefault(job_topics(topic)["dlq"], []).append((e.model_id, letter, now))
+            continue
+        sample = to_sample(e)
+        sample = sample.model_copy(update={"weight": limits.cap(sample.weight)})
+        by_topic.setdefault(topic, []).append((e.model_id, sample, e.ts))
+    for dlq, records in letters.items():
+        plane.gateway.ensure_topic(dlq)
+        plane.gateway.produce(dlq, records)
     for topic, records in by_topic.items():
         plane.gateway.produce(topic, records)
-    return FeedbackAccepted(accepted=len(events), topics={e.model_id: models[e.model_id]["topic"] for e in events})
+    if refused:
+        log.warning("feedback from %s: %d of %d events dead-lettered (%s)", actor, len(refused), len(events),
+                    ", ".join(sorted({d.reason for d in refused})))
+    return FeedbackAccepted(accepted=len(events) - len(refused), dead_lettered=len(refused), dead_letters=refused,
+                            topics={e.model_id: models[e.model_id]["topic"] for e in events})
 
 
 def _model_entry(data: dict, model_id: str) -> dict:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 from pathlib import Path
 
 from core import defaults
 from core.errors import ConfigError
+from core.options import add_bootstrap_option
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from connectors.adapter_follower import FollowerSettings
-    from streamtune.api.app import read_token
+    from streamtune.auth import AccessPolicy, TokenStore
 
     from .app import create_app
     from .guard import GuardSettings
@@ -25,31 +27,59 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--candidate-fraction must be between 0 and 1")
     if args.slots < 1 or args.cpu_cache < 1:
         raise ConfigError("--slots and --cpu-cache must be at least 1")
-    token = read_token(args.token_file)
+    # Tokens and who may call what: streamtune.auth (ConfigError: no token beyond loopback).
+    access = AccessPolicy(TokenStore(tokens_file=args.tokens_file, token_file=args.token_file), args.host,
+                          args.insecure, "streamtune serve")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if token is None:
-        logging.getLogger("streamtune.serve").warning(
-            "no token (STREAMTUNE_API_TOKEN or --token-file): calls that change state are refused")
+    access.announce()
     follower = FollowerSettings(bootstrap=args.bootstrap, tracking_uri=None if args.no_registry else args.tracking_uri,
                                 artifact_store=args.artifact_store, topic_pattern=args.broadcast_topics)
     log_topic = None if args.no_inference_log else args.inference_log_topic
     guard = None
     if not args.no_auto_rollback:
+        import socket
+
+        if args.rollback_min_users < 1:
+            raise ConfigError("--rollback-min-users must be at least 1")
         if log_topic is None or args.no_registry:
             raise ConfigError("automatic rollback needs the inference log and the registry "
                               "(or pass --no-auto-rollback)")
         guard = GuardSettings(bootstrap=args.bootstrap, tracking_uri=args.tracking_uri, inference_log_topic=log_topic,
                               feedback_topics=args.feedback_topics, promotion_log=args.promotion_log,
                               margin=args.rollback_margin, min_events=args.rollback_min_events,
-                              window=args.rollback_window)
+                              window=args.rollback_window, min_distinct_users=args.rollback_min_users,
+                              owner=f"{socket.gethostname()}:{args.port}")
     settings = ServeSettings(base_model=args.base_model, follower=follower, slots=args.slots,
                              cpu_cache=args.cpu_cache, max_rank=args.max_rank,
                              candidate_fraction=args.candidate_fraction,
                              inference_log_topic=log_topic, guard=guard,
-                             webhook_url=None if args.no_registry or args.no_webhook else webhook_url(args))
+                             webhook_url=None if args.no_registry or args.no_webhook else webhook_url(args),
+                             response_signing_key=response_signing_key(args))
     served = ServedModels(settings)
-    uvicorn.run(create_app(served, token), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(served, access), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def response_signing_key(args: argparse.Namespace):
+    """The key that signs response ids: --response-signing-key-file, else the environment
+    (core.response_ids.signing_key); None leaves ids unsigned, which a control plane holding
+    the key dead-letters as `unsigned_response` when feedback cites them. Bound beyond
+    loopback, no key is refused (ConfigError) unless --insecure (tests and demos only)."""
+    from core.response_ids import SIGNING_KEY_FILE_ENV, signing_key
+    from streamtune.auth import is_loopback
+
+    env = dict(os.environ)
+    if args.response_signing_key_file:
+        env[SIGNING_KEY_FILE_ENV] = args.response_signing_key_file
+    key = signing_key(env)
+    if key is None and not is_loopback(args.host) and not args.insecure:
+        raise ConfigError(f"--host {args.host} without a response signing key: pass --response-signing-key-file "
+                          "or set STREAMTUNE_RESPONSE_SIGNING_KEY[_FILE] (--insecure for tests and demos only)")
+    if key is None:
+        logging.getLogger("streamtune.serve").warning(
+            "no response signing key (--response-signing-key-file, STREAMTUNE_RESPONSE_SIGNING_KEY): "
+            "response ids are unsigned, and feedback citing them cannot be told from forged")
+    return key
 
 
 def webhook_url(args: argparse.Namespace) -> str:
@@ -63,7 +93,7 @@ def webhook_url(args: argparse.Namespace) -> str:
 
 
 def add_parser(subparsers) -> None:
-    from streamtune.api.cli import reporting_errors
+    from streamtune.api.cli import add_token_arguments, reporting_errors
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible inference that follows adapter versions")
     p.add_argument("--host", default="127.0.0.1")
@@ -72,7 +102,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--artifact-store", default=defaults.artifact_store())
     p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="MLflow: where aliases point")
     p.add_argument("--no-registry", action="store_true", help="take aliases from the broadcasts only")
-    p.add_argument("--bootstrap", default=defaults.kafka_bootstrap())
+    add_bootstrap_option(p, default=defaults.kafka_bootstrap())
     p.add_argument("--broadcast-topics", default=defaults.BROADCAST_TOPIC_PATTERN,
                    help="regex of the adapter-versions topics to follow (default: every job's)")
     p.add_argument("--slots", type=int, default=8, help="adapters held in device memory")
@@ -88,6 +118,9 @@ def add_parser(subparsers) -> None:
                    help="acceptance-rate gap that takes a candidate out (or rolls a champion back)")
     p.add_argument("--rollback-min-events", type=int, default=30, help="judged responses needed on each side")
     p.add_argument("--rollback-window", type=int, default=200, help="judged responses kept per version")
+    p.add_argument("--rollback-min-users", type=int, default=5,
+                   help="distinct users (the inference `user` of the judged responses) needed on each side "
+                        "before the guard acts; 1 turns this defence off (tests and demos only)")
     p.add_argument("--promotion-log", type=Path, default=defaults.home() / "api" / "promotions.jsonl")
     p.add_argument("--no-auto-rollback", action="store_true")
     p.add_argument("--webhook-url", default=None,
@@ -95,5 +128,9 @@ def add_parser(subparsers) -> None:
                         "(default: http://<host>:<port>/v1/hooks/mlflow; this machine's name for 0.0.0.0)")
     p.add_argument("--no-webhook", action="store_true",
                    help="only poll the registry for alias moves made in MLflow directly")
-    p.add_argument("--token-file", default=None, help="bearer token file (else $STREAMTUNE_API_TOKEN)")
+    add_token_arguments(p)
+    p.add_argument("--response-signing-key-file", default=None,
+                   help="the key (shared by the deployment's servers and the control plane) that signs "
+                        "response ids (else $STREAMTUNE_RESPONSE_SIGNING_KEY_FILE, "
+                        "$STREAMTUNE_RESPONSE_SIGNING_KEY)")
     p.set_defaults(func=reporting_errors(cmd_serve))

@@ -4,6 +4,12 @@ A route (model_id, alias) -> version moves only once the version's files are che
 in the pool, under the pool's lock: that move is the swap's acknowledgement. A request
 resolves its route under the same lock and generates before releasing it, so once a move
 is acknowledged no response comes from the version it replaced, and none mixes two.
+
+Response ids. With a signing key (ServeSettings.response_signing_key: $STREAMTUNE_RESPONSE_SIGNING_KEY,
+the file named by $STREAMTUNE_RESPONSE_SIGNING_KEY_FILE or --response-signing-key-file) each
+request id is `cmpl-<uuid hex>.<HMAC tag>` (core.response_ids): the id answered to the
+client and the one in the inference log record are the same signed id, so feedback citing
+it verifies at the control plane. Without a key ids are plain `cmpl-<uuid hex>`.
 """
 
 from __future__ import annotations
@@ -11,15 +17,16 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connectors.adapter_follower import AdapterFollower, FollowerSettings
+from core import transport
 from core.errors import ArtifactIntegrityError, ConfigError, StreamtuneError
 from core.messages import InferenceRecord
+from core.response_ids import new_response_id
 from core.routing import BASE
 from operators.adapter_pool import AdapterPool, Generation
 from operators.tracing import span
@@ -47,6 +54,7 @@ class ServeSettings:
     guard: Optional[GuardSettings] = None   # automatic rollback (needs the inference log)
     webhook_url: Optional[str] = None       # where MLflow pushes alias moves (connectors.mlflow_webhook)
     webhook_poll_s: float = 5.0             # the registry poll, once the webhook is registered
+    response_signing_key: Optional[bytes] = None  # signs response ids (core.response_ids); None: unsigned
 
 
 @dataclass
@@ -86,9 +94,11 @@ class ServedModels:
 
             from connectors.kafka import create_topic
             create_topic(settings.follower.bootstrap, settings.inference_log_topic)
-            self.log_producer = KafkaProducer(bootstrap_servers=settings.follower.bootstrap, acks=1, linger_ms=5)
+            self.log_producer = KafkaProducer(bootstrap_servers=settings.follower.bootstrap, acks=1, linger_ms=5,
+                                              **transport.kafka_python_kwargs())
         self.follower = AdapterFollower(settings.follower, on_alias=self.on_alias)
-        self.guard = OnlineGuard(settings.guard) if settings.guard else None
+        # The guard verifies the ids it judges with the key this server signs them with.
+        self.guard = OnlineGuard(settings.guard, signing_key=settings.response_signing_key) if settings.guard else None
         self.webhook_secret = secrets.token_urlsafe(32)  # made for this run, given to MLflow only
         self.webhook_id: Optional[str] = None
 
@@ -143,7 +153,8 @@ class ServedModels:
         if broadcast is None:
             raise ModelNotFound(f"{model_id} has no version {version} known to this server")
         try:
-            self.pool.put(key, self.follower.fetch(broadcast))
+            # Every file against the manifest the broadcast's sha256 names: fetched, then as parsed.
+            self.pool.put(key, self.follower.fetch(broadcast), broadcast.sha256)
         except ArtifactIntegrityError as e:
             self.refused[(model_id, version)] = str(e)
             self.refusals.inc()
@@ -192,7 +203,7 @@ class ServedModels:
 
     def complete(self, model: str, prompt: str, max_tokens: int, user: Optional[str] = None) -> Answer:
         started = time.perf_counter()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = new_response_id(self.settings.response_signing_key)
         name = parse_model_name(model)
         if not 1 <= max_tokens <= self.settings.max_tokens_limit:
             raise ConfigError(f"max_tokens must be between 1 and {self.settings.max_tokens_limit}")
@@ -223,7 +234,7 @@ class ServedModels:
             {"stage": "adapter", "model_id": name.model_id, "version": version,
              "version_id": broadcast.version_id if broadcast else None,
              "sha256": broadcast.sha256 if broadcast else None},
-            {"stage": "base_model", "path": self.pool.base_dir, "version": self.pool.base_fingerprint},
+            {"stage": "base_model", "version": self.pool.base_fingerprint},
         ]
         self._log(answer, prompt, user)
         return answer
@@ -286,7 +297,8 @@ class ServedModels:
             arms.append(row)
         guard = {"enabled": g is not None}
         if g is not None:
-            guard.update(margin=g.settings.margin, min_events=g.settings.min_events, window=g.settings.window)
+            guard.update(margin=g.settings.margin, min_events=g.settings.min_events, window=g.settings.window,
+                         min_distinct_users=g.settings.min_distinct_users)
         return {"model_id": model_id, "candidate_fraction": self.fraction(model_id), "aliases": routes,
                 "registry_aliases": (known or {}).get("aliases", {}), "arms": arms, "guard": guard,
                 "decisions": [d for d in list(g.decisions) if d["model_id"] == model_id] if g else []}

@@ -1,5 +1,7 @@
 // The streamtune web console: plain DOM, no build step. Every call goes to the control
-// plane's own REST API with the bearer token typed in the header (kept for this tab only).
+// plane's own REST API with the bearer token typed in the header: a read token shows
+// everything, an admin token also acts (promote, pause, resume). The token is kept in
+// sessionStorage (this tab only, gone when it closes), never in localStorage or a cookie.
 // Errors are shown in the banner, never swallowed.
 "use strict";
 
