@@ -2,7 +2,9 @@
 
 One registered model per model_id; one MLflow model version per version record, found again
 by its tag `streamtune.version_id`, so registering the same record twice is a no-op. Each
-version gets its own run (params, metrics, `adapter/` artifacts, `lineage.json`); the same
+version gets its own run (params, metrics, `adapter/` artifacts, `lineage.json`, and `model/`:
+the MLflow pyfunc model over the adapter, streamtune/pyfunc_model.py, which is the version's
+source, so `mlflow.pyfunc.load_model("models:/<model_id>@champion")` loads it); the same
 metrics also go, with step=seq, to a long-lived run `<model_id>-training` in the experiment
 `streamtune/<model_id>`: that run holds the loss curve across versions.
 
@@ -16,6 +18,10 @@ loss_after <= the champion's tag `streamtune.loss_after` (two versions' losses a
 on their own windows, so this rule cannot see forgetting). MLflow has no compare-and-set on
 aliases: two registrars racing on one model could each move champion; only one registrar per
 model (Kafka key = model_id) is assumed.
+
+Retention: after each version's run is finished, the record's policy (the spec's
+`retention`, default: the newest 50 and every aliased version) deletes older versions, their
+runs and their store artifacts (connectors/registry_retention.py).
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Before mlflow is imported: when its usage telemetry's thread fails to fetch its config
 # (offline), it pops an environment variable there, and a request iterating os.environ at that
 # moment fails with KeyError '_MLFLOW_TELEMETRY_SESSION_ID' (seen: a job's first registration
 # failed and waited 1 s for its retry). Off unless set: a registering job has nothing to report.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.entities import Metric, Param  # noqa: E402
@@ -41,15 +49,50 @@ from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository  # noqa: E402
 
 from connectors.artifact_store import ArtifactStore  # noqa: E402
+from connectors.registry_retention import RetentionState, apply_retention  # noqa: E402
+from core import transport  # noqa: E402
 from core.messages import AdapterVersionBroadcast, VersionRecord  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 TAG = "streamtune."
 METRICS = ("loss_before", "loss_after", "samples", "tokens", "step_seconds")
+# Each version's run: `adapter/` (the store's files, as streamtune's readers copy them) and
+# `model/`, the MLflow pyfunc model over the same files that the version's source names.
+PYFUNC_PATH = "model"
+PYFUNC_CODE = Path(__file__).resolve().parents[1] / "streamtune" / "pyfunc_model.py"
+PYFUNC_PACKAGES = ("mlflow", "torch", "transformers", "peft", "safetensors", "accelerate")
+
+
+def pyfunc_requirements() -> list[str]:
+    """What loading the pyfunc model needs, pinned to what this process runs (a CPU torch's
+    local tag dropped: `2.13.0+cpu` is not on the default index)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for package in PYFUNC_PACKAGES:
+        try:
+            pins.append(f"{package}=={version(package).split('+')[0]}")
+        except PackageNotFoundError:
+            pins.append(package)
+    return pins
+
+
+def save_pyfunc_model(model_dir: str, adapter_dir: str, base_model: str) -> None:
+    """The MLflow pyfunc model of one version into `model_dir` (streamtune/pyfunc_model.py):
+    the adapter's files copied in, the base model named by path or id, not copied."""
+    import warnings
+
+    import mlflow.pyfunc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "add type hints to predict": prompts come in several shapes
+        mlflow.pyfunc.save_model(model_dir, python_model=str(PYFUNC_CODE), artifacts={"adapter": adapter_dir},
+                                 model_config={"base_model": base_model}, pip_requirements=pyfunc_requirements())
 
 
 def make_client(tracking_uri: str) -> MlflowClient:
+    transport.apply_mlflow_env()  # an https tracking server: the CA bundle to verify it with
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
@@ -63,6 +106,24 @@ def find_version(client: MlflowClient, model_id: str, version_id: str) -> ModelV
     return min(found, key=lambda v: int(v.version))  # a racing duplicate: the first one wins
 
 
+def highest_registered_seq(client: MlflowClient, model_id: str) -> int:
+    """The highest seq among the registered versions of `model_id` (0: none). The maximum over
+    every version, not the newest one's: a registrar that came late, or two that raced, can
+    register versions out of seq order."""
+    highest, token = 0, None
+    while True:
+        try:
+            page = client.search_model_versions(f"name = '{_quote(model_id)}'", max_results=1000, page_token=token)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return 0
+            raise
+        highest = max([highest, *(int(v.tags.get(f"{TAG}seq", 0)) for v in page)])
+        token = getattr(page, "token", None)
+        if not token:
+            return highest
+
+
 @dataclass
 class RegistryCache:
     """What one registering process learned of the registry, so that a steady stream of
@@ -70,18 +131,24 @@ class RegistryCache:
     experiments known to exist, each model's training run, and the highest seq registered per
     model.
 
-    A record whose seq is above that highest seq is new, so it skips the search by
-    version_id; the first record of a model in a process, and any record at or below it (a
-    replay after a restore), is searched for. This rests on the registration contract: one
-    registrar per model (Kafka key = model_id), versions in seq order.
+    The highest seq starts, for each model, at the registry's own (`highest_registered_seq`):
+    a restored job replays records its killed run registered after the last checkpoint, and
+    each of those, at or below it, is searched for by version_id; a record above it is new and
+    skips the search. This rests on the registration contract: one registrar per model (Kafka
+    key = model_id), versions in seq order.
     """
     models: set[str] = field(default_factory=set)
     experiments: dict[str, str] = field(default_factory=dict)
     training_runs: dict[str, str] = field(default_factory=dict)
     last_seq: dict[str, int] = field(default_factory=dict)
+    newest_version: dict[str, int] = field(default_factory=dict)  # MLflow version number, per model
+    retention: RetentionState = field(default_factory=RetentionState)
 
     def seen(self, model_id: str, seq: int) -> None:
         self.last_seq[model_id] = max(seq, self.last_seq.get(model_id, 0))
+
+    def registered(self, model_id: str, version: str | int) -> None:
+        self.newest_version[model_id] = max(int(version), self.newest_version.get(model_id, 0))
 
 
 def register_version(client: MlflowClient, record: VersionRecord, store: ArtifactStore,
@@ -90,7 +157,7 @@ def register_version(client: MlflowClient, record: VersionRecord, store: Artifac
     (model version, created). Idempotent by version_id."""
     cache = cache if cache is not None else RegistryCache()
     mv, created = publish_version(client, record, store, cache)
-    finish_run(client, record, mv.run_id, cache, check=not created)
+    finish_run(client, record, mv.run_id, cache, check=not created, store=store)
     return mv, created
 
 
@@ -99,7 +166,7 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
     """What a broadcast waits for: the adapter's files in a new run, the model version, its
     aliases. Returns (model version, created); idempotent by version_id. The run stays
     RUNNING, without params and metrics, until finish_run: those are read by people, not by
-    inference, so they are logged after the broadcast (issue 15: 16 MLflow requests in a row
+    inference, so they are logged after the broadcast (16 MLflow requests in a row
     per version before; now 6-7, in four rounds).
 
     The adapter is read from the artifact store and checked against the record's sha256
@@ -107,10 +174,13 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
     """
     cache = cache if cache is not None else RegistryCache()
     model_id, version_id = record.model_id, record.version_id
-    if model_id not in cache.last_seq or record.seq <= cache.last_seq[model_id]:
+    if model_id not in cache.last_seq:
+        cache.seen(model_id, highest_registered_seq(client, model_id))
+    if record.seq <= cache.last_seq[model_id]:
         existing = find_version(client, model_id, version_id)
         if existing is not None:
             cache.seen(model_id, record.seq)
+            cache.registered(model_id, existing.version)
             return existing, False
     files = store.get(record.artifact_uri, record.sha256)
     if model_id not in cache.models:
@@ -131,12 +201,20 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
             # The run's artifact repository straight from create_run's answer: the client's
             # log_artifacts(run_id) would first fetch the run again to find it.
             repository = get_artifact_repository(run.info.artifact_uri, tracking_uri=client.tracking_uri)
+            adapter_dir = os.path.join(tmp, "adapter")
+            os.makedirs(adapter_dir)
             uploads = []
             for name, data in files.items():
-                path = os.path.join(tmp, name)
+                path = os.path.join(adapter_dir, name)
                 with open(path, "wb") as f:
                     f.write(data)
                 uploads.append(pool.submit(repository.log_artifact, path, "adapter"))
+            model_dir = os.path.join(tmp, "model")
+            save_pyfunc_model(model_dir, adapter_dir, record.base_model)
+            # File by file, like the adapter's: log_artifacts would upload the model's files one after another.
+            for folder, _, names in os.walk(model_dir):
+                where = os.path.join(PYFUNC_PATH, os.path.relpath(folder, model_dir)).rstrip("/.")
+                uploads += [pool.submit(repository.log_artifact, os.path.join(folder, name), where) for name in names]
             for upload in uploads:
                 upload.result()
     except Exception:
@@ -153,11 +231,12 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
         **gate_tags(record),
     }
     # create_model_version waits (await_creation_for=300 s) until the status is READY.
-    mv = client.create_model_version(model_id, f"runs:/{run_id}/adapter", run_id,
+    mv = client.create_model_version(model_id, f"runs:/{run_id}/{PYFUNC_PATH}", run_id,
                                      tags={TAG + k: str(v) for k, v in tags.items()})
     if mv.status != "READY":
         raise RuntimeError(f"model version {model_id} v{mv.version} ended in status {mv.status}")
     cache.seen(model_id, seq)
+    cache.registered(model_id, mv.version)
 
     # The gate was decided in the trainer, on the same eval data for both versions; without
     # one, the champion's loss is read each time, not cached: a rollback elsewhere moves it.
@@ -174,14 +253,17 @@ def publish_version(client: MlflowClient, record: VersionRecord, store: Artifact
 
 
 def finish_run(client: MlflowClient, record: VersionRecord, run_id: str, cache: RegistryCache | None = None,
-               check: bool = False) -> None:
+               check: bool = False, store: ArtifactStore | None = None) -> None:
     """The rest of a published version's run: params, metrics, `lineage.json`, the same
     metrics on the model's training run (its loss curve), then FINISHED. With `check` (a
     version found again after a restore) it does nothing when the run has FINISHED already;
     a crash inside this function, between the training run's metrics and FINISHED, leaves one
-    duplicate point on that curve."""
+    duplicate point on that curve. With `store`, then the record's retention policy
+    (connectors/registry_retention.py): off the broadcast's path, like the rest of this."""
     cache = cache if cache is not None else RegistryCache()
     if check and client.get_run(run_id).info.status == "FINISHED":
+        if store is not None:
+            retain(client, record, store, cache)
         return
     model_id, seq, metrics, adapter = record.model_id, record.seq, record.metrics, record.adapter
     now = int(time.time() * 1000)
@@ -203,6 +285,20 @@ def finish_run(client: MlflowClient, record: VersionRecord, run_id: str, cache: 
         cache.training_runs[model_id] = _ensure_training_run(client, _experiment_id(client, model_id, cache), model_id)
     client.log_batch(cache.training_runs[model_id], metrics=metric_rows)
     client.set_terminated(run_id, "FINISHED")
+    if store is not None:
+        retain(client, record, store, cache)
+
+
+def retain(client: MlflowClient, record: VersionRecord, store: ArtifactStore, cache: RegistryCache) -> None:
+    """The record's retention policy, swept when due. A failed sweep is logged, never raised:
+    the version is registered, and the next registration's sweep deletes what this one left."""
+    newest = cache.newest_version.get(record.model_id)
+    if newest is None:
+        return
+    try:
+        apply_retention(client, record.model_id, newest, record.retention, store, cache.retention)
+    except Exception:
+        log.warning("retention sweep of %s failed; the next registration retries it", record.model_id, exc_info=True)
 
 
 def gate_tags(record: VersionRecord) -> dict[str, str]:
@@ -338,3 +434,36 @@ def _set_alias(client: MlflowClient, model_id: str, alias: str, version: str,
                 raise
             log.info("alias %s on %s raced another writer; retrying", alias, model_id)
             time.sleep(0.05 * (attempt + 1))
+
+
+def alias_version(client: MlflowClient, model_id: str, alias: str) -> int | None:
+    """The version `alias` of `model_id` points at, or None when it is not set."""
+    version = client.get_registered_model(model_id).aliases.get(alias)
+    return int(version) if version is not None else None
+
+
+def move_alias_if(client: MlflowClient, model_id: str, alias: str, expected_version: int | None,
+                  new_version: int | None) -> bool:
+    """Compare-and-set: point `alias` at `new_version` (None deletes it) only while it points at
+    `expected_version`. Returns whether it moved; a stale move (the alias is elsewhere) is
+    logged and skipped.
+
+    MLflow has no compare-and-set on aliases, so this reads, compares, sets, and reads again:
+    another writer between the read and the set is not prevented, only logged (the one
+    decision-maker per alias is the guard, whose decisions are recorded before they move
+    anything: streamtune/serve/guard.py).
+    """
+    current = alias_version(client, model_id, alias)
+    if current != expected_version:
+        log.warning("stale move of %s@%s skipped: expected v%s, it points at %s", model_id, alias, expected_version,
+                    f"v{current}" if current is not None else "nothing")
+        return False
+    if new_version is None:
+        client.delete_registered_model_alias(model_id, alias)
+    else:
+        _set_alias(client, model_id, alias, str(new_version))
+    after = alias_version(client, model_id, alias)
+    if after != new_version:
+        log.warning("%s@%s moved by another writer during a compare-and-set from v%s to %s: it points at %s",
+                    model_id, alias, expected_version, new_version, after)
+    return True

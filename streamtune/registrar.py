@@ -33,7 +33,7 @@ from kafka.structs import OffsetAndMetadata
 from connectors.kafka import create_topic
 from connectors.artifact_store import ArtifactStore
 from connectors.mlflow_registry import RegistryCache, broadcast_for, finish_run, make_client, publish_version
-from core import defaults
+from core import defaults, transport
 from core.errors import ArtifactIntegrityError, InvalidMessage
 from core.messages import VersionRecord
 
@@ -60,10 +60,10 @@ class Registrar:
         self.store = ArtifactStore(config.artifact_store, config.tracking_uri)
         for topic in (config.versions_topic, config.broadcast_topic):
             create_topic(config.bootstrap, topic)
-        self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all")
+        self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all", **transport.kafka_python_kwargs())
         self.consumer = KafkaConsumer(
             config.versions_topic, bootstrap_servers=config.bootstrap, group_id=config.group_id,
-            isolation_level="read_committed", enable_auto_commit=False,
+            isolation_level="read_committed", enable_auto_commit=False, **transport.kafka_python_kwargs(),
             auto_offset_reset="earliest",
             # Tansu holds a group join for about half the session timeout, and kafka-python
             # 3.x keeps its 45 s default session timeout even when max_poll_interval_ms is
@@ -137,44 +137,10 @@ class Registrar:
         if created or mv.tags.get(BROADCAST_TAG) != "sent":
             self._broadcast(record, mv)
         # After the broadcast: the run's params and metrics are for people, not inference.
-        finish_run(self.client, record, mv.run_id, self.registry_cache, check=not created)
+        finish_run(self.client, record, mv.run_id, self.registry_cache, check=not created, store=self.store)
 
     def _broadcast(self, record: VersionRecord, mv) -> None:
         message = broadcast_for(record, mv)
         self.producer.send(self.config.broadcast_topic, key=record.model_id.encode(),
                            value=message.to_json().encode()).get(timeout=30)
         self.client.set_model_version_tag(record.model_id, mv.version, BROADCAST_TAG, "sent")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("registrar", help="register committed versions of a versions topic in MLflow and broadcast them",
-                       description="Standalone registration, for versions topics written by other producers or by "
-                                   "jobs run with --no-register. Training jobs register their own versions.")
-    p.add_argument("--versions-topic", default=defaults.VERSIONS_TOPIC)
-    p.add_argument("--broadcast-topic", default=defaults.ADAPTER_VERSIONS_TOPIC)
-    p.add_argument("--group-id", default="streamtune-registrar", help="Kafka consumer group (its committed offsets)")
-    p.add_argument("--bootstrap", default=None, help="default: the local stack's Kafka")
-    p.add_argument("--tracking-uri", default=None, help="default: the local stack's MLflow")
-    p.add_argument("--artifact-store", default=None, help="default: STREAMTUNE_ARTIFACT_STORE or the stack's")
-    p.set_defaults(func=cmd_registrar)
-
-
-def cmd_registrar(args) -> int:
-    """Runs until SIGTERM or Ctrl-C; one line per registered, duplicate or invalid version on stderr."""
-    import signal
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    config = RegistrarConfig(bootstrap=args.bootstrap or defaults.kafka_bootstrap(),
-                             tracking_uri=args.tracking_uri or defaults.mlflow_uri(),
-                             versions_topic=args.versions_topic, broadcast_topic=args.broadcast_topic,
-                             group_id=args.group_id, artifact_store=args.artifact_store or defaults.artifact_store())
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Registrar(config, on_event=lambda line: print(f"registrar: {line}", file=sys.stderr, flush=True)) as reg:
-        try:
-            reg.run(stop)
-        except KeyboardInterrupt:
-            pass
-    return 0
