@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark (bench/gpu.py) with the repo's venv: bf16 LoRA steps and MFU, the seed's
+# The GPU benchmark (bench/gpu.py) with the repo's venv: bf16 LoRA steps and MFU, our
 # fp32-vs-mixed-precision claim, the job's trainer against a bare PEFT loop.
 #   bash bench/gpu.sh --shape llama3-8b   # one H100/H200, within 8 minutes
 #   bash bench/gpu.sh --shape tiny        # CPU, CI

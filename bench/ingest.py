@@ -246,7 +246,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
             if set(reasons) - {"bad_json"}:
                 raise SystemExit(f"{arm}: dead letters {dict(reasons)}; only bad_json expected")
             if sum(reasons.values()) < owed:
-                # Not a throughput question, so the run goes on; README "Benchmarks" has the case.
+                # Not a throughput question, so the run goes on; docs/benchmarks.md, "Ingest", has the case.
                 print(f"  WARNING {arm}: {sum(reasons.values())} dead letters visible (read_committed) within "
                       f"60 s; {owed} records before the last closed window were not JSON", flush=True)
             extra = {"bundle_ms": bundle_ms or int(LATENCY_SETTINGS["python.fn-execution.bundle.time"]),
@@ -264,7 +264,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
               "parallelism": 1, "arms": arms, "ratio_over_sql": ratios}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print("\ningest at parallelism 1, records/s while windows close (no goal set; issue 15 asks for the ratio):")
+    print("\ningest at parallelism 1, records/s while windows close (no goal set; we ask for the ratio):")
     for arm, a in arms.items():
         ratio = f"{ratios[arm]:.4f} of SQL" if arm in ratios else ""
         print(f"  {arm:<18} {a['records_per_s']:>10.0f}   {ratio}")

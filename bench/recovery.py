@@ -73,7 +73,7 @@ def main() -> None:
     u = f"{time.time_ns() % 10**9:x}"
     topics = job_topics(config.kafka_bootstrap, f"bench.recovery-{u}")
     job = submit_detached(config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base, Path(tempfile.mkdtemp(prefix="bench-")) / "store", "--bootstrap", config.kafka_bootstrap,
+        topics, base, Path(tempfile.mkdtemp(prefix="bench-")) / "store", "--bootstrap-server", config.kafka_bootstrap,
         "--checkpoint-interval-ms", "1000", "--no-register", "--job-name", f"recovery-{u}"))
     model_id, t0 = f"rec-{u}", 1_775_000_000_000
     send_config(config.kafka_bootstrap, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)

@@ -14,7 +14,7 @@ the run and the champion's loss, the two uploads, the model version, the aliases
 other version here is published with one request at a time instead (its request pool
 swapped for a single thread), so the gain is measured in the same run, interleaved.
 
-No goal of its own: issue 15's goal is window end → broadcast p95 ≤ one checkpoint
+No goal of its own: the project's goal is window end → broadcast p95 ≤ one checkpoint
 interval, measured by bench/freshness.py; this shows how much of the registration stays on
 that path.
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import requests  # noqa: E402
 
-from connectors.artifact_store import ArtifactStore, sha256_hex  # noqa: E402
+from connectors.artifact_store import ArtifactStore, artifact_sha256  # noqa: E402
 import connectors.mlflow_registry as mlflow_registry  # noqa: E402
 from connectors.mlflow_registry import RegistryCache, finish_run, make_client, publish_version  # noqa: E402
 from core.messages import VersionRecord  # noqa: E402
@@ -54,12 +54,12 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def record(store: ArtifactStore, model_id: str, seq: int) -> VersionRecord:
     """A version record like the trainer's, with its own small adapter in the store."""
     weights = f"weights of {model_id} {seq}".encode() * 256
-    uri = store.put({"adapter_model.safetensors": weights, "adapter_config.json": b'{"peft_type": "LORA"}'},
-                    sha256_hex(weights))
+    files = {"adapter_model.safetensors": weights, "adapter_config.json": b'{"peft_type": "LORA"}'}
+    uri = store.put(files, artifact_sha256(files))
     return VersionRecord.model_validate({
         **EXAMPLE, "version_id": f"{model_id}@{seq * 1000}#0:{seq}-0:{seq}", "model_id": model_id, "seq": seq,
         "window_start": (seq - 1) * 1000, "window_end": seq * 1000,
-        "artifact_uri": uri, "sha256": sha256_hex(weights), "fresh_adapter": seq == 1,
+        "artifact_uri": uri, "sha256": artifact_sha256(files), "fresh_adapter": seq == 1,
         "metrics": {**EXAMPLE["metrics"], "loss_after": 2.0 - seq / 1000}})
 
 

@@ -1,12 +1,12 @@
-"""One table from bench/results/*.json, PNG plots beside them, and the README's table.
+"""One table from bench/results/*.json, PNG plots beside them, and the table of docs/benchmarks.md.
 
 Each benchmark writes its own results file; this reads whichever are there, prints one
 table (measure, figure, goal, met), draws the plots (freshness per stage, loss and
-throughput of the trainer benchmark) into bench/results/, and rewrites the README between
+throughput of the trainer benchmark) into bench/results/, and rewrites docs/benchmarks.md between
 `<!-- bench:begin -->` and `<!-- bench:end -->` with the table, each row dated by its run.
 A benchmark not run yet shows as such.
 
-    .venv/bin/python bench/report.py [--no-readme]
+    .venv/bin/python bench/report.py [--no-docs]
 """
 
 from __future__ import annotations
@@ -170,26 +170,29 @@ def _save(fig, name: str) -> Path:
     return path
 
 
-def write_readme(text: str) -> None:
-    readme = REPO / "README.md"
-    body = readme.read_text()
+BENCHMARKS_PAGE = REPO / "docs" / "benchmarks.md"
+
+
+def write_benchmarks_page(text: str) -> None:
+    page = BENCHMARKS_PAGE
+    body = page.read_text()
     if BEGIN not in body:
-        sys.exit(f"README.md has no {BEGIN} … {END} section")
+        sys.exit(f"docs/benchmarks.md has no {BEGIN} … {END} section")
     block = f"{BEGIN}\n{text}{END}"
-    readme.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, body, flags=re.S))
+    page.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, body, flags=re.S))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md as it is")
     args = parser.parse_args()
     text = table(rows())
     print(text)
     for path in plots():
         print(f"plot: {path.relative_to(REPO)}")
-    if not args.no_readme:
-        write_readme(text)
-        print("README.md: benchmark table rewritten")
+    if not args.no_docs:
+        write_benchmarks_page(text)
+        print("docs/benchmarks.md: benchmark table rewritten")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 import requests  # noqa: E402
 
+from streamtune.auth import bearer_headers  # noqa: E402
 from streamtune.demo import quiet_libraries  # noqa: E402
 
 SWAP_GOAL_MS = 1.0
@@ -104,7 +105,7 @@ def variants(files: dict[str, bytes], n: int, offset: int) -> list[tuple[dict[st
     from safetensors.torch import load as load_safetensors
     from safetensors.torch import save as save_safetensors
 
-    from connectors.artifact_store import WEIGHTS, sha256_hex
+    from connectors.artifact_store import WEIGHTS, artifact_sha256
 
     state = load_safetensors(files[WEIGHTS])
     first = sorted(k for k in state if k.endswith("lora_A.weight"))[0]
@@ -115,7 +116,8 @@ def variants(files: dict[str, bytes], n: int, offset: int) -> list[tuple[dict[st
         t[0, 0] += (offset + i + 1) * 1e-6
         nudged[first] = t
         weights = save_safetensors({k: v.contiguous() for k, v in nudged.items()})
-        out.append(({"adapter_config.json": files["adapter_config.json"], WEIGHTS: weights}, sha256_hex(weights)))
+        nudged_files = {"adapter_config.json": files["adapter_config.json"], WEIGHTS: weights}
+        out.append((nudged_files, artifact_sha256(nudged_files)))
     assert len({sha for _, sha in out}) == n, "nudged copies share a sha256"
     return out
 
@@ -220,7 +222,7 @@ class Server:
         self.proc = spawn_logged(
             [sys.executable, "-m", "streamtune.cli", "serve", "--port", str(self.port), "--base-model", base,
              "--no-registry", "--broadcast-topics", topic_regex, "--artifact-store", str(store),
-             "--bootstrap", bootstrap, "--no-inference-log", "--slots", str(SLOTS), "--cpu-cache", str(CPU_CACHE),
+             "--bootstrap-server", bootstrap, "--no-inference-log", "--slots", str(SLOTS), "--cpu-cache", str(CPU_CACHE),
              *extra],
             log_file)
         OURS.add(self.proc.pid)
@@ -240,7 +242,8 @@ class Server:
         raise SystemExit(f"server not ready in {timeout} s; see {self.log_file}")
 
     def models(self) -> dict[str, dict]:
-        return {m["id"]: m for m in requests.get(f"{self.url}/v1/models", timeout=30).json()["data"]}
+        return {m["id"]: m for m in requests.get(f"{self.url}/v1/models", timeout=30,
+                                                 headers=bearer_headers("inference")).json()["data"]}
 
     def wait_champions(self, wanted: dict[str, int], timeout: float = 300) -> float:
         """Until every model in `wanted` has its champion acknowledged at that version."""
@@ -284,6 +287,7 @@ def paced_load(url: str, n: int, rate: float, clients: int, model_for, prompt_of
 
     def client() -> None:
         session = requests.Session()
+        session.headers.update(bearer_headers("inference"))  # where the environment holds tokens
         while True:
             with lock:
                 i = next(counter)
@@ -453,7 +457,7 @@ def measure_swaps_under_load(args, base: str, bootstrap: str, u: str, store, ver
             if r["status"] == 200:
                 before = [t for t in times if t <= r["sent_wall"]]
                 near[bool(before) and r["sent_wall"] - before[-1] <= AFTER_PUBLISH_S].append(r["ms"])
-        metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+        metrics = requests.get(f"{server.url}/metrics", timeout=10, headers=bearer_headers("read")).text
         acked = re.search(r'streamtune_serve_swaps_total\{alias="champion"\} ([0-9.e+]+)', metrics)
         result = {"model_id": model_id, "requests_per_condition": {c: len(r) for c, r in by_condition.items()},
                   "failures": {c: failures(r)[:5] for c, r in by_condition.items()},

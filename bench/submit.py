@@ -44,7 +44,7 @@ def one_run(config: StackConfig, base: Path, checkpoint_ms: int) -> float:
     tmp = Path(tempfile.mkdtemp(prefix="bench-submit-"))
     started = time.monotonic()
     job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base, tmp / "adapters", "--bootstrap", config.kafka_bootstrap, "--job-name", f"submit-{u}",
+        topics, base, tmp / "adapters", "--bootstrap-server", config.kafka_bootstrap, "--job-name", f"submit-{u}",
         "--checkpoint-interval-ms", str(checkpoint_ms), "--no-register"))
     try:
         while not read_topic(config.kafka_bootstrap, topics["versions"], expect=1, timeout=5, idle=5):

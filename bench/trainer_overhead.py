@@ -21,7 +21,7 @@ made the job look 5.5 times faster than the bare loop on 2026-12-04 (17 of 20 ve
 
 Two shapes, so the per-window fixed cost is visible: `tiny` (64 wide, 2 layers) and `30m`
 (a 34M-parameter Llama, 512 wide, 8 layers: a bare micro-batch step of 32 samples takes
-well over 20 ms on one CPU thread). Goal (issue 15): job ÷ bare ≥ 0.9 on `30m`.
+well over 20 ms on one CPU thread). Goal (ours): job ÷ bare ≥ 0.9 on `30m`.
 
     .venv/bin/python bench/trainer_overhead.py [--shapes tiny,30m] [--windows 20] [--per-window 64]
 """
@@ -104,7 +104,7 @@ def job_rate(config: StackConfig, base: Path, windows: int, per_window: int, ran
     consumer.assign([tp])
     consumer.seek_to_beginning()
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
-    job = LocalJob(job_args(topics, base, tmp / "adapters", "--bootstrap", config.kafka_bootstrap,
+    job = LocalJob(job_args(topics, base, tmp / "adapters", "--bootstrap-server", config.kafka_bootstrap,
                             "--checkpoint-interval-ms", "5000", "--job-name", f"bench-{u}", "--no-register",
                             "--versions-delivery", "at-least-once", "--parallelism", "1"),
                    tmp / "chk", tmp / "job.log")

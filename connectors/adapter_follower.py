@@ -2,7 +2,7 @@
 
 Two sources, each for what it is the truth of:
 - the durable broadcast topics (every job's `*adapter-versions`, read from the beginning):
-  which versions exist, with their artifact URI and sha256. A process that starts late or
+  which versions exist, with their artifact URI and sha256 (of the artifact's manifest). A process that starts late or
   restarts catches up on all of them before it calls itself ready;
 - MLflow's registered-model aliases, polled every `alias_poll_s` (0.25 s) on a thread of
   their own: where `champion` and `candidate` point, whoever moved them (the job's
@@ -14,7 +14,8 @@ Two sources, each for what it is the truth of:
 The follower calls `on_alias(model_id, alias, version)` when an alias moves to a version it
 knows (or, later, when the version's broadcast arrives), with version None when the alias
 is deleted, and loads artifacts on request with
-`fetch`, checking their sha256 (ArtifactIntegrityError otherwise). It never serves anything
+`fetch`, checking every file against the manifest their sha256 names (ArtifactIntegrityError
+naming the file otherwise: connectors/artifact_store.verify_artifact). It never serves anything
 itself: the server (streamtune/serve) and the Flink inference job embed it.
 
     follower = AdapterFollower(FollowerSettings(bootstrap, tracking_uri, store_location),
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from core import defaults
+from core import defaults, transport
 from core.errors import InvalidMessage
 from core.messages import AdapterVersionBroadcast, AliasMove
 
@@ -89,7 +90,8 @@ class AdapterFollower:
                     for m, vs in self._versions.items()}
 
     def fetch(self, broadcast: AdapterVersionBroadcast) -> dict[str, bytes]:
-        """The version's artifact files, sha256-checked (ArtifactIntegrityError otherwise)."""
+        """The version's artifact files with their manifest.json, every one checked against the
+        manifest the broadcast's sha256 names (ArtifactIntegrityError naming the file otherwise)."""
         return self.store.get(broadcast.artifact_uri, broadcast.sha256)
 
     @property
@@ -205,6 +207,7 @@ class AdapterFollower:
         """One model's aliases from the registry, now (after a hint: a move or a new version)."""
         from mlflow import MlflowClient
 
+        transport.apply_mlflow_env()
         client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
         started = time.monotonic()
         aliases = client.get_registered_model(model_id).aliases or {}
@@ -218,6 +221,7 @@ class AdapterFollower:
     def _poll_aliases(self) -> None:
         from mlflow import MlflowClient
 
+        transport.apply_mlflow_env()
         client = MlflowClient(self.settings.tracking_uri, self.settings.tracking_uri)
         found: dict[str, dict[str, int]] = {}
         started, token = time.monotonic(), None

@@ -11,18 +11,29 @@ from pyflink.common.serialization import SimpleStringSchema
 from pyflink.datastream.connectors.base import DeliveryGuarantee
 from pyflink.datastream.connectors.kafka import KafkaRecordSerializationSchema, KafkaSink
 
+from core import transport
+
 # Flink's default (1 h) is above many brokers' transaction.max.timeout.ms (15 min).
 TRANSACTION_TIMEOUT_MS = "900000"
 
 
 def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str, lateness_ms: int,
-                    idle_timeout_ms: int, consumer_properties: dict[str, str] | None = None) -> str:
+                    idle_timeout_ms: int, consumer_properties: dict[str, str] | None = None,
+                    max_skew_ms: int = 0) -> str:
     """A raw-string Kafka table (key, payload) over `topics` with source metadata and an event-time watermark.
 
     Watermarks are generated per partition at the source, from the Kafka record timestamps;
-    a partition without records for `idle_timeout_ms` stops holding the watermark back.
+    a partition without records for `idle_timeout_ms` stops holding the watermark back. With
+    `max_skew_ms` > 0 a record stamped further ahead of the wall clock counts as epoch 0 for
+    the watermark (the generator keeps the largest value, so it moves nothing): the record
+    still flows, and operators/validate.py dead-letters it (reason `timestamp`).
     """
-    extra = "".join(f"'properties.{k}' = '{v}',\n            " for k, v in (consumer_properties or {}).items())
+    watermark = f"`ts` - INTERVAL '{lateness_ms / 1000:.3f}' SECOND"
+    if max_skew_ms > 0:  # TIMESTAMPADD: an INTERVAL literal above 99 s overflows SECOND's precision
+        watermark = (f"CASE WHEN `ts` > TIMESTAMPADD(SECOND, {max(1, max_skew_ms // 1000)}, NOW()) "
+                     f"THEN TO_TIMESTAMP_LTZ(0, 3) ELSE {watermark} END")
+    properties = {**transport.flink_kafka_properties(), **(consumer_properties or {})}  # TLS / SASL: core/transport.py
+    extra = "".join(f"'properties.{k}' = '{_sql_string(v)}',\n            " for k, v in properties.items())
     return f"""
         CREATE TEMPORARY TABLE `{name}` (
             `key` STRING,
@@ -31,7 +42,7 @@ def input_table_ddl(name: str, topics: list[str], bootstrap: str, group_id: str,
             `partition` INT METADATA VIRTUAL,
             `offset` BIGINT METADATA VIRTUAL,
             `ts` TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
-            WATERMARK FOR `ts` AS `ts` - INTERVAL '{lateness_ms / 1000:.3f}' SECOND
+            WATERMARK FOR `ts` AS {watermark}
         ) WITH (
             'connector' = 'kafka',
             'topic' = '{";".join(topics)}',
@@ -60,8 +71,15 @@ def exactly_once_sink(bootstrap: str, topic: str, transactional_id_prefix: str) 
             .build())
 
 
+def _sql_string(value: str) -> str:
+    return value.replace("'", "''")  # a JAAS password may hold a quote
+
+
 def _sink(bootstrap: str, topic: str, guarantee: DeliveryGuarantee):
-    return (KafkaSink.builder()
+    builder = KafkaSink.builder()
+    for key, value in transport.flink_kafka_properties().items():  # TLS / SASL: core/transport.py
+        builder.set_property(key, value)
+    return (builder
             .set_bootstrap_servers(bootstrap)
             .set_record_serializer(KafkaRecordSerializationSchema.builder()
                                    .set_topic(topic)

@@ -14,10 +14,12 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
+from core import transport
+
 
 def create_topic(bootstrap: str, name: str, partitions: int = 1) -> None:
     """Create a topic; a topic that already exists is left as it is."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000, **transport.kafka_python_kwargs())
     try:
         admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
     except TopicAlreadyExistsError:
@@ -35,7 +37,8 @@ def read_topic(bootstrap: str, topic: str, *, expect: int | None = None, timeout
     per partition.
     """
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                             isolation_level="read_committed" if read_committed else "read_uncommitted")
+                             isolation_level="read_committed" if read_committed else "read_uncommitted",
+                             **transport.kafka_python_kwargs())
     try:
         deadline = time.monotonic() + timeout
         if not _from_beginning(consumer, topic, deadline):
@@ -62,7 +65,7 @@ def read_to_end(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
     On Tansu the reported end can be short of the true end (it answers the last batch's
     start + 1), so callers must treat the result as "at least this much", never as all.
     """
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, **transport.kafka_python_kwargs())
     try:
         deadline = time.monotonic() + timeout
         tps = _from_beginning(consumer, topic, deadline)
@@ -84,7 +87,8 @@ def read_tail(bootstrap: str, topic: str, limit: int, timeout: float = 10.0, idl
     """About the last `limit` records of each partition of `topic`, read_committed, oldest first
     ([] for a missing topic). On Tansu the end offset can fall short of the true end, so a
     few newer records may come too."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed")
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed",
+                             **transport.kafka_python_kwargs())
     try:
         deadline = time.monotonic() + timeout
         tps = _from_beginning(consumer, topic, deadline)
@@ -124,13 +128,20 @@ def follow_topics(bootstrap: str, wanted: Callable[[str], bool], on_record: Call
     Partitions are assigned, with no consumer group: every process reads everything (the
     broadcast and log topics are small and durable). Topics that appear later are picked up
     within `refresh_s`. After each poll, `on_poll(got_records)` runs (for idle detection and
-    periodic work). A broker outage is reported through `on_error` and retried every second.
+    periodic work). A broker outage (or an exception from a callback) is reported through
+    `on_error` and retried every second; reading then resumes after the last record
+    `on_record` returned from (the one that raised comes again), not from the beginning: each
+    record reaches `on_record` once per call, except that one.
     """
+    positions: dict[TopicPartition, int] = {}  # next offset to read, kept across reconnections
     while not stop.is_set():
         consumer = None
         try:
-            consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                     isolation_level="read_committed", fetch_max_wait_ms=50)
+            # auto_offset_reset: a kept position past a partition's end (a broker that lost its
+            # topics) reads that partition again from its start.
+            consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
+                                     isolation_level="read_committed", fetch_max_wait_ms=50,
+                                     **transport.kafka_python_kwargs())
             assigned: set = set()
             next_refresh = 0.0
             while not stop.is_set():
@@ -141,12 +152,17 @@ def follow_topics(bootstrap: str, wanted: Callable[[str], bool], on_record: Call
                     if new:
                         assigned |= new
                         consumer.assign(sorted(assigned))
-                        consumer.seek_to_beginning(*new)
+                        fresh = [tp for tp in new if tp not in positions]
+                        if fresh:
+                            consumer.seek_to_beginning(*fresh)
+                        for tp in new - set(fresh):
+                            consumer.seek(tp, positions[tp])
                     next_refresh = time.monotonic() + refresh_s
                 batch = consumer.poll(timeout_ms=50)
                 for tp, records in batch.items():
                     for record in records:
                         on_record(tp.topic, record.value)
+                        positions[tp] = record.offset + 1
                 on_poll(bool(batch))
         except Exception as e:  # a broker (or a callback's service) outage: report, back off, go on
             on_error(f"{type(e).__name__}: {e}")

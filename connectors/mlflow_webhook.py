@@ -35,6 +35,7 @@ import hmac
 import json
 from typing import Mapping, Optional
 
+from core import transport
 from core.errors import StreamtuneError
 
 EVENTS = ("model_version_alias.created", "model_version_alias.deleted")
@@ -115,6 +116,7 @@ def register(tracking_uri: str, url: str, secret: str) -> str:
     connections (that server is gone)."""
     from mlflow import MlflowClient
 
+    transport.apply_mlflow_env()
     client, name = MlflowClient(tracking_uri, tracking_uri), webhook_name(url)
     token = None
     while True:

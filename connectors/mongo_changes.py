@@ -27,6 +27,7 @@ import pymongo
 import pymongo.errors
 from bson import json_util
 
+from core import transport
 from core.errors import CaptureError
 from core.messages import ChangeEnvelope, ChangeSource
 from core.sources.mongodb import MongoSource
@@ -55,8 +56,11 @@ def plain(doc):
 
 
 class MongoChanges:
-    def __init__(self, uri: str, db: str, collection: str, *, name: str, idle_s: float = 0.05):
-        self.client = pymongo.MongoClient(uri, serverSelectionTimeoutMS=10000)
+    def __init__(self, uri: str, db: str, collection: str, *, name: str, idle_s: float = 0.05,
+                 password: str | None = None):
+        # The password (the source's secret reference) is a client argument, never in the URI or argv.
+        auth = {"password": password} if password else {}
+        self.client = pymongo.MongoClient(uri, serverSelectionTimeoutMS=10000, **transport.pymongo_kwargs(), **auth)
         self.db, self.collection, self.name, self.idle_s = db, collection, name, idle_s
 
     def stream(self, resume_token: dict | None):
@@ -133,7 +137,8 @@ class MongoCapture:
 
     def run(self, sink) -> None:
         s = self.source
-        changes = MongoChanges(s.connection_uri, s.db, s.collection, name=s.name, idle_s=self.linger_s)
+        changes = MongoChanges(s.connection_uri, s.db, s.collection, name=s.name, idle_s=self.linger_s,
+                               password=s.secret_password())
         token = sink.stored.get("resume_token")
         last = token
         try:

@@ -7,7 +7,7 @@ confirms a transaction after Kafka has acknowledged every event of it, so after 
 PostgreSQL re-sends what was not durably written downstream (at least once); consumers drop
 the repeats by (commit LSN, change LSN, table, primary key).
 
-    wal = PostgresWal("postgresql://u:p@host/db", ["public.feedback"], name="pg")
+    wal = PostgresWal("postgresql://u@host/db", ["public.feedback"], name="pg", password=secret)
     for item in wal.stream(skip_through=0):
         if isinstance(item, Transaction): ...          # item.events: Debezium envelopes
         wal.confirm(item.end_lsn)                      # once they are durable downstream
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import pq
 
+from core import transport
 from core.errors import CaptureError
 from core.messages import ChangeEnvelope, ChangeSource
 from core.sources.postgres import PostgresSource, lsn_text, parse_lsn
@@ -96,8 +97,10 @@ class PostgresWal:
     """Logical decoding of `tables` through slot `slot` and publication `publication`."""
 
     def __init__(self, dsn: str, tables: list[str], *, name: str, slot: str | None = None,
-                 publication: str | None = None, status_interval_s: float = 10.0):
+                 publication: str | None = None, status_interval_s: float = 10.0, password: str | None = None):
         self.dsn, self.name = dsn, name
+        # From the source's secret reference: a connection argument, never in the DSN or argv.
+        self._auth = {"password": password} if password else {}
         self.tables = [qualify(t) for t in tables]
         base = re.sub(r"[^a-z0-9_]", "_", name.lower())
         self.slot = slot or f"streamtune_{base}"
@@ -115,12 +118,13 @@ class PostgresWal:
         Returns (created, exported snapshot name or None, slot position). The replication
         connection stays open so an exported snapshot stays valid until `stream` starts.
         """
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
+        with psycopg.connect(self.dsn, autocommit=True, **transport.psycopg_kwargs(), **self._auth) as conn:
             self._check_tables(conn)
             self._ensure_publications(conn)
             row = conn.execute("SELECT confirmed_flush_lsn::text, plugin FROM pg_replication_slots "
                                "WHERE slot_name = %s", (self.slot,)).fetchone()
-        self._repl = psycopg.connect(self.dsn, replication="database", autocommit=True)
+        self._repl = psycopg.connect(self.dsn, replication="database", autocommit=True, **transport.psycopg_kwargs(),
+                                     **self._auth)
         if row is not None:
             if row[1] != "pgoutput":
                 raise CaptureError(f"replication slot {self.slot} uses plugin {row[1]}, not pgoutput")
@@ -132,7 +136,7 @@ class PostgresWal:
         return True, res.get_value(0, 2).decode(), self.confirmed
 
     def drop_slot(self) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
+        with psycopg.connect(self.dsn, autocommit=True, **transport.psycopg_kwargs(), **self._auth) as conn:
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
                          "WHERE slot_name = %s", (self.slot,))
 
@@ -178,7 +182,7 @@ class PostgresWal:
     def snapshot(self, snapshot_name: str, at_lsn: int):
         """Existing rows as op "r" events, read in the snapshot the slot was created with."""
         ts_ms = int(time.time() * 1000)
-        with psycopg.connect(self.dsn) as conn:
+        with psycopg.connect(self.dsn, **transport.psycopg_kwargs(), **self._auth) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot_name}'")
             for schema, table in self.tables:
@@ -402,7 +406,8 @@ class PostgresCapture:
 
     def run(self, sink) -> None:
         s = self.source
-        wal = PostgresWal(s.dsn, list(s.tables), name=s.name, slot=s.slot, publication=s.publication)
+        wal = PostgresWal(s.dsn, list(s.tables), name=s.name, slot=s.slot, publication=s.publication,
+                          password=s.secret_password())  # its secret reference, read here
         created, snapshot_name, at = wal.prepare()
         if sink.snapshot and not created and not sink.stored.get("snapshot_done"):
             # A snapshot cut short by a crash cannot be resumed: start over with a new slot.

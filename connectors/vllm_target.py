@@ -4,11 +4,13 @@ A follower target: streamtune decides which adapter version is `champion` (or `c
 and this makes a vLLM server (`python -m vllm.entrypoints.openai.api_server --enable-lora`)
 serve it, over vLLM's own HTTP API. For each `on_alias(model_id, alias, version, files)`:
 
-1. the version's PEFT files (`adapter_config.json`, `adapter_model.safetensors`, already
-   sha256-checked by the caller) are written to `<artifact_dir>/<model_id>/<version>/`, a
+1. the version's PEFT files (`adapter_config.json`, `adapter_model.safetensors` and their
+   `manifest.json`, already checked file by file against the version's sha256 by the caller,
+   connectors/artifact_store.py) are written to `<artifact_dir>/<model_id>/<version>/`, a
    directory the vLLM server can read (the same machine or a shared volume). Written once,
    atomically (temporary sibling, then rename), never rewritten: a version directory that
-   exists with other bytes is an ArtifactIntegrityError;
+   exists with other bytes, or with a file that is not the artifact's, is an
+   ArtifactIntegrityError naming the file;
 2. the version is loaded under its immutable name `<model_id>/<version>`
    (`POST /v1/load_lora_adapter`), unless vLLM already lists it. vLLM loads the weights into
    the engine before it answers, so an adapter vLLM cannot use (rank above `--max-lora-rank`,
@@ -170,6 +172,12 @@ class VllmTarget:
 
     @staticmethod
     def _check_same(target: Path, files: dict[str, bytes], model_id: str, version: int) -> None:
+        # vLLM reads the whole directory: a file slipped in beside the artifact's is refused too.
+        extra = sorted(p.name for p in target.iterdir() if p.name not in files)
+        if extra:
+            raise ArtifactIntegrityError(
+                f"{model_id} v{version}: {target / extra[0]} is not a file of the artifact; version directories "
+                "are immutable (was the artifact directory shared with another registry?)")
         for name, data in files.items():
             path = target / name
             if not path.is_file() or path.read_bytes() != data:

@@ -1,6 +1,6 @@
 """Paths, addresses and topic names used when nothing else is given.
 
-The same rules as the local stack (`streamtune stack`, README "The local default stack"),
+The same rules as the local stack (`streamtune stack`, docs/guides/local-stack.md),
 so a job started with no options finds what `streamtune stack up` started:
 
 | value            | environment variable                      | default                          |
@@ -10,13 +10,25 @@ so a job started with no options finds what `streamtune stack up` started:
 | Kafka bootstrap  | STREAMTUNE_KAFKA_BOOTSTRAP, else STREAMTUNE_HOST:STREAMTUNE_KAFKA_PORT | 127.0.0.1:9092 |
 | base model       |                                           | <data dir>/models/tiny-llama     |
 | artifact store   | STREAMTUNE_ARTIFACT_STORE                 | file://<data dir>/adapters       |
-| MLflow tracking  | STREAMTUNE_MLFLOW_URI, else http://STREAMTUNE_HOST:STREAMTUNE_MLFLOW_PORT | http://127.0.0.1:5000 |
+| MLflow tracking  | STREAMTUNE_MLFLOW_URI, else MLFLOW_TRACKING_URI, else http://STREAMTUNE_HOST:STREAMTUNE_MLFLOW_PORT | http://127.0.0.1:5000 |
 | tokenizer catalogue | STREAMTUNE_TOKENIZER_CATALOGUE         | <data dir>/tokenizers            |
 
 >>> kafka_bootstrap({"STREAMTUNE_HOST": "10.0.0.5", "STREAMTUNE_KAFKA_PORT": "19092"})
 '10.0.0.5:19092'
 >>> str(data_dir({"STREAMTUNE_HOME": "/srv/st"}))
 '/srv/st/data'
+
+The MLflow tracking URI honours MLFLOW_TRACKING_URI, the variable MLflow's own tools read,
+so one setting points streamtune and `mlflow` at the same server; STREAMTUNE_MLFLOW_URI,
+the narrower one, wins over it. Every default goes through `tracking_uri_override` (jobs'
+and `serve`'s --tracking-uri, the registrar, the API through StackConfig.tracking_uri):
+
+>>> mlflow_uri({"MLFLOW_TRACKING_URI": "http://mlflow.internal:5000"})
+'http://mlflow.internal:5000'
+>>> mlflow_uri({"MLFLOW_TRACKING_URI": "http://a:5000", "STREAMTUNE_MLFLOW_URI": "http://b:5000"})
+'http://b:5000'
+>>> mlflow_uri({"STREAMTUNE_MLFLOW_PORT": "5001"})
+'http://127.0.0.1:5001'
 """
 
 from __future__ import annotations
@@ -72,9 +84,15 @@ def artifact_store(env: Mapping[str, str] | None = None) -> str:
     return _env(env).get("STREAMTUNE_ARTIFACT_STORE") or f"file://{data_dir(env) / 'adapters'}"
 
 
+def tracking_uri_override(env: Mapping[str, str] | None = None) -> str | None:
+    """The MLflow tracking URI the environment names, if any: STREAMTUNE_MLFLOW_URI, else MLFLOW_TRACKING_URI."""
+    e = _env(env)
+    return e.get("STREAMTUNE_MLFLOW_URI") or e.get("MLFLOW_TRACKING_URI") or None
+
+
 def mlflow_uri(env: Mapping[str, str] | None = None) -> str:
     e = _env(env)
-    return e.get("STREAMTUNE_MLFLOW_URI") or \
+    return tracking_uri_override(e) or \
         f"http://{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_MLFLOW_PORT', '5000')}"
 
 

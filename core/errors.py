@@ -21,6 +21,16 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_INTERRUPTED = 130
 
+# Every command's errors start with this, one line on stderr (docs/guides/cli.md).
+ERROR_PREFIX = "streamtune: "
+
+
+def report(message: object) -> None:
+    """Print one error line on stderr with the command's prefix."""
+    import sys
+
+    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+
 
 class StreamtuneError(Exception):
     """Base of every error streamtune raises on purpose; its message is one line for a user."""

@@ -1,6 +1,6 @@
 """CDC-triggered retraining: database changes → samples → the same LoRA trainer and registry path.
 
-    streamtune cdc --source 'postgres://u:p@db/app?table=public.answers&table=public.policies'
+    streamtune cdc --source 'postgres://u@db/app?table=public.answers&table=public.policies&password_env=PG_PASSWORD'
     flink run -py jobs/cdc_retrain.py --cdc-topic streamtune.cdc.pg-app --mapping mapping.yaml
     python -m jobs.cdc_retrain --cdc-topic streamtune.cdc.pg-app --mapping mapping.yaml  # mini-cluster
 
@@ -34,7 +34,7 @@ from operators.row_changes import RowChangeFunction
 from operators.validate import CHANGE_TAG, DLQ_TAG, VALID_TYPE, ValidateFunction
 
 
-# Flink settings of this job (over the cluster's): see README "CDC latency".
+# Flink settings of this job (over the cluster's): see docs/guides/cdc.md, "Latency".
 CDC_JOB_SETTINGS: dict[str, str] = {
     "python.fn-execution.bundle.time": "5",
     "python.fn-execution.bundle.size": "10",
@@ -48,7 +48,8 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, cdc_topics: list[str]
     t_env = table_environment(env)
     rows = kafka_rows(t_env, job, "cdc_input", [*cdc_topics, job.config_topic], CDC_CONSUMER_PROPERTIES)
     validated = rows.process(ValidateFunction(mapping.sources, job.config_topic, job.max_record_bytes,
-                                              change_topics=frozenset(cdc_topics)),
+                                              change_topics=frozenset(cdc_topics),
+                                              max_event_skew_ms=job.max_event_skew_ms),
                              output_type=VALID_TYPE).name("validate").uid("validate")
     mapped = (validated.get_side_output(CHANGE_TAG)
               .key_by(lambda c: c[0], key_type=Types.STRING())

@@ -2,7 +2,7 @@
 
 It proves a cluster runs Python functions and reaches Kafka through the connector jars:
 
-    flink run -py jobs/smoke.py --bootstrap 127.0.0.1:9092 --topic streamtune.smoke --run-id r1
+    flink run -py jobs/smoke.py --bootstrap-server 127.0.0.1:9092 --topic streamtune.smoke --run-id r1
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pyflink.datastream.connectors.kafka import KafkaRecordSerializationSchema, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bootstrap", default="127.0.0.1:9092")
+    # --bootstrap-server as Kafka's tools spell it; --bootstrap, the older name, still works.
+    parser.add_argument("--bootstrap-server", "--bootstrap", dest="bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--topic", default="streamtune.smoke")
     parser.add_argument("--run-id", default="smoke")
     parser.add_argument("--count", type=int, default=10)

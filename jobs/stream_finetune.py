@@ -1,6 +1,6 @@
 """The streaming fine-tuning job: Kafka feedback → per-model windows → LoRA steps → versions.
 
-    flink run -py jobs/stream_finetune.py --bootstrap kafka:9092 --base-model /models/base
+    flink run -py jobs/stream_finetune.py --bootstrap-server kafka:9092 --base-model /models/base
     python -m jobs.stream_finetune --base-model /models/base        # embedded mini-cluster
 
 Topics (created when missing):
@@ -51,7 +51,9 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str,
     inference = [inference_log_topic] if inference_log_topic else []
     rows = kafka_rows(t_env, job, "streamtune_input", [feedback_topic, job.config_topic, *inference])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
-                                              job.max_record_bytes, inference_topics=frozenset(inference)),
+                                              job.max_record_bytes, inference_topics=frozenset(inference),
+                                              max_event_skew_ms=job.max_event_skew_ms,
+                                              max_event_age_ms=job.max_event_age_ms),
                              output_type=VALID_TYPE).name("validate").uid("validate")
     dead_letters = [validated.get_side_output(DLQ_TAG)]
     if inference:

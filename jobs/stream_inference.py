@@ -24,6 +24,7 @@ from pyflink.common import Types
 from connectors.flink_kafka import at_least_once_sink
 from connectors.kafka import create_topic
 from core import defaults
+from core.options import add_bootstrap_option
 from jobs.wiring import JobConfig, environment, kafka_rows, table_environment
 from operators.inference_function import ROUTES, InferenceFunction, model_of
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--responses-topic", required=True)
     p.add_argument("--broadcast-topic", default=defaults.ADAPTER_VERSIONS_TOPIC)
     p.add_argument("--alias-moves-topic", default=defaults.ALIAS_MOVES_TOPIC)
-    p.add_argument("--bootstrap", default=defaults.kafka_bootstrap())
+    add_bootstrap_option(p, default=defaults.kafka_bootstrap())
     p.add_argument("--base-model", default=str(defaults.base_model_dir()))
     p.add_argument("--artifact-store", default=defaults.artifact_store())
     p.add_argument("--slots", type=int, default=8, help="adapters held in memory per worker")

@@ -7,11 +7,13 @@ The entry points (jobs/stream_finetune.py, jobs/cdc_retrain.py) parse arguments 
 
 >>> p = argparse.ArgumentParser()
 >>> add_job_arguments(p)
->>> job = JobConfig.from_args(p.parse_args(["--bootstrap", "kafka:9092", "--parallelism", "2"]), "demo")
+>>> job = JobConfig.from_args(p.parse_args(["--bootstrap-server", "kafka:9092", "--parallelism", "2"]), "demo")
 >>> job.bootstrap, job.parallelism, job.trainer_settings().unknown_model_grace_ms, job.register
 ('kafka:9092', 2, 30000, True)
 >>> job.bundle_time_ms, JobConfig.from_args(p.parse_args(["--bundle-time-ms", "1000"]), "demo").bundle_time_ms
 (None, 1000)
+>>> job.max_event_skew_ms, job.max_event_age_ms
+(300000, 0)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from connectors.flink_kafka import at_least_once_sink, exactly_once_sink, input_
 from connectors.artifact_store import store_uri
 from connectors.kafka import create_topic
 from core import defaults
+from core.options import add_bootstrap_option
 from operators.finetune_function import JOB_ID_PARAMETER, FinetuneFunction, TrainerSettings
 from operators.registration import VERSION_TYPE, RegistrationFunction, VersionReader
 from operators.validate import DLQ_TAG
@@ -66,6 +69,8 @@ class JobConfig:
     restore_from: Optional[str] = None
     parallelism: Optional[int] = None
     bundle_time_ms: Optional[int] = None      # Python bundles; None: the job's latency setting
+    max_event_skew_ms: int = 300_000          # records stamped further ahead: DLQ `timestamp`, no watermark move
+    max_event_age_ms: int = 0                 # samples older: DLQ `timestamp`; 0 = off (replays stay possible)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, job_name: str, **overrides) -> "JobConfig":
@@ -91,7 +96,7 @@ class JobConfig:
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """The options every training job shares (defaults: core.defaults, the local stack's)."""
-    p.add_argument("--bootstrap", default=defaults.kafka_bootstrap())
+    add_bootstrap_option(p, default=defaults.kafka_bootstrap())
     p.add_argument("--config-topic", default=defaults.CONFIG_TOPIC)
     p.add_argument("--versions-topic", default=defaults.VERSIONS_TOPIC)
     p.add_argument("--dlq-topic", default=defaults.DLQ_TOPIC)
@@ -129,6 +134,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")
     p.add_argument("--parallelism", type=int, default=None)
+    p.add_argument("--max-event-skew-ms", type=int, default=300_000,
+                   help="a record whose Kafka timestamp is further ahead of the wall clock is dead-lettered "
+                        "(reason timestamp) and does not move the watermark; 0 = off (tests and demos only)")
+    p.add_argument("--max-event-age-ms", type=int, default=0,
+                   help="a sample whose Kafka timestamp is older is dead-lettered (reason timestamp); "
+                        "0 = off, the default: replaying or backfilling old data must stay possible")
     p.add_argument("--bundle-time-ms", type=int, default=None,
                    help="how long a Python operator holds records before passing them on (default: the "
                         "job's latency setting, 5-10 ms; Flink's 1000 trades freshness for throughput, "
@@ -143,7 +154,7 @@ LATENCY_SETTINGS: dict[str, str] = {
     "python.fn-execution.bundle.time": "10",
     "execution.buffer-timeout.interval": "10 ms",
 }
-# Tansu holds every fetch for fetch.max.wait.ms even when records arrive (FACTS): Kafka's
+# Tansu holds every fetch for fetch.max.wait.ms even when records arrive (measured on the local stack): Kafka's
 # 500 ms default put ~120 ms on each read of a version. Apache Kafka answers as soon as
 # records arrive, so there the shorter wait only makes idle fetches more frequent.
 CONSUMER_PROPERTIES: dict[str, str] = {"fetch.max.wait.ms": "20"}
@@ -199,9 +210,11 @@ def table_environment(env: StreamExecutionEnvironment) -> StreamTableEnvironment
 
 def kafka_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics: list[str],
                consumer_properties: dict[str, str] | None = None, reader: str = "input"):
-    """Kafka records as rows (key, payload, topic, partition, offset) with event time, read_committed."""
+    """Kafka records as rows (key, payload, topic, partition, offset) with event time, read_committed;
+    records stamped beyond --max-event-skew-ms do not move the watermark (validate dead-letters them)."""
     t_env.execute_sql(input_table_ddl(table, topics, job.bootstrap, f"{job.job_name}-{reader}", job.lateness_ms,
-                                      job.idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})}))
+                                      job.idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
+                                      job.max_event_skew_ms))
     return t_env.to_data_stream(t_env.from_path(table))
 
 

@@ -5,13 +5,17 @@ modules. Loading a version copies its tensors into a slot (zero-padded to the sl
 with the version's own scaling): no allocation, no model surgery, no disk. Every request and
 every copy holds the pool's lock, so a request sees one whole version, never half of one.
 
+With the version's sha256, `put` first checks every file against the artifact's manifest
+(connectors/artifact_store.verify_artifact): what the slots hold is what was recorded, config
+included, and a changed, missing or unlisted file is refused by name.
+
 Versions are immutable names: slots and the CPU cache are keyed by `version_key`
 ("<model_id>/<mlflow_version>"), never by model_id. The hot versions sit in slots (device
 memory), up to `cpu_cache` more in CPU memory as tensors, both least-recently used first
 out; a version in neither is loaded again by whoever holds its files (the follower).
 
     pool = AdapterPool("/models/tiny-llama", slots=8)
-    pool.put("bot/3", files)                  # parse + check once, into the CPU cache
+    pool.put("bot/3", files, sha256)          # verify, parse + check once, into the CPU cache
     pool.generate("bot/3", "x=1;y=", 4)       # swaps into a slot if it is not in one
 """
 
@@ -127,8 +131,13 @@ class AdapterPool:
             self._clear_slot(name)
 
     # -- versions -----------------------------------------------------------------------
-    def put(self, version_key: str, files: dict[str, bytes]) -> LoadedAdapter:
-        """Parse and check a version's artifact into the CPU cache (outside any request)."""
+    def put(self, version_key: str, files: dict[str, bytes], sha256: str | None = None) -> LoadedAdapter:
+        """Parse and check a version's artifact into the CPU cache (outside any request); with
+        `sha256` (the version record's), its files are verified against their manifest first."""
+        if sha256 is not None:
+            from connectors.artifact_store import verify_artifact
+
+            files = verify_artifact(files, sha256, version_key)
         loaded = parse_adapter(files, self.max_rank, self.targets)
         missing = [m for m in loaded.tensors if m not in self._layers]
         if missing:

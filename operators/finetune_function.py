@@ -27,7 +27,8 @@ from pyflink.datastream.state import ValueStateDescriptor
 from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSample, FinetuneSpec, Lineage,
                            RetrainTrigger, Retraction, VersionMetrics, VersionRecord)
 from operators.counters import FunctionCounters
-from operators.quality import Kept, QualityState, SetScores, decide, draw_replay, is_held_out, load_fixed
+from operators.quality import (Kept, QualityState, SetScores, decide, draw_replay, eval_roots, is_held_out,
+                               load_fixed)
 from operators.tracing import span
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, due_batch, offset_ranges, steps, window_end, window_start
@@ -417,7 +418,7 @@ class FinetuneFunction(KeyedProcessFunction):
             metrics=VersionMetrics(**result.metrics, operator_seconds=round(operator_seconds, 4)),
             lineage=Lineage(sample_ids=[s.sample_id for s in batch], offsets=offset_ranges(batch),
                             origins=origins or None, retracted=retracted or None, held_out=held_out or None),
-            trigger=trigger, gate=gate,
+            trigger=trigger, gate=gate, retention=spec.retention,
         ).to_json()
 
     def _gate(self, trainer, model_id: str, spec: FinetuneSpec, quality: QualityState, loss_after: float):
@@ -426,7 +427,8 @@ class FinetuneFunction(KeyedProcessFunction):
         sets = {"recent": list(quality.recent), "retained": list(quality.retained)}
         if evaluation.eval_uri:
             try:
-                sets["fixed"] = load_fixed(evaluation.eval_uri, evaluation.fixed_size)
+                sets["fixed"] = load_fixed(evaluation.eval_uri, evaluation.fixed_size,
+                                             roots=eval_roots(self.settings.artifact_store))
             except (OSError, ValueError) as e:
                 problems.append(f"fixed eval set {evaluation.eval_uri} unreadable ({type(e).__name__}: {e})")
         sets = {name: samples for name, samples in sets.items() if samples}

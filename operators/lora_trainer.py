@@ -9,6 +9,7 @@ which is what makes a replay after a crash produce the same version.
     trainer = LoraTrainer.for_base("/models/tiny-llama")
     result = trainer.step("m1", spec.adapter_config, spec.training, None, samples, seed=7)
     result.files["adapter_model.safetensors"]  # bytes, identical on replay
+    result.sha256  # the version's address: sha256 of the manifest of all its files (connectors/artifact_store.py)
     trainer.evaluate("m1", spec.adapter_config, spec.training, eval_samples)       # the live adapter
     trainer.evaluate("m1", champion_adapter, spec.training, eval_samples, champion_lora)  # saved weights
 
@@ -37,6 +38,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from connectors.artifact_store import artifact_sha256, with_manifest
 from core.messages import AdapterConfig, EwcConfig, TrainingConfig
 from core.batching import collate, encode_example
 
@@ -46,9 +48,9 @@ _BASES_LOCK = threading.Lock()
 
 @dataclass
 class StepResult:
-    state: dict          # {"shape": str, "lora": bytes, "optim": bytes, "steps": int, "sha256": str}
-    files: dict          # PEFT artifact: file name -> bytes
-    sha256: str          # of adapter_model.safetensors
+    state: dict          # {"shape": str, "lora": bytes, "optim": bytes, "steps": int, "sha256": str (of "lora")}
+    files: dict          # PEFT artifact: file name -> bytes (manifest.json among them)
+    sha256: str          # the artifact's address: of its manifest, which covers every file (config and weights)
     fresh_adapter: bool
     metrics: dict
 
@@ -212,12 +214,13 @@ class LoraTrainer:
         config = self.model.peft_config[name].to_dict()
         config.update(base_model_name_or_path=self.base_dir, inference_mode=True)
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-        files = {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
-                 "adapter_model.safetensors": lora_bytes}
+        # The config is part of the version: the address covers it (and any other file) through the manifest.
+        files = with_manifest({"adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
+                               "adapter_model.safetensors": lora_bytes})
         return StepResult(
             state={"shape": adapter.shape_key, "lora": lora_bytes, "optim": optim_buf.getvalue(), "steps": steps,
                    "sha256": sha256, **extra},
-            files=files, sha256=sha256, fresh_adapter=fresh,
+            files=files, sha256=artifact_sha256(files), fresh_adapter=fresh,
             metrics={"loss_before": loss_before, "loss_after": loss_after, "samples": len(samples),
                      "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4),
                      **({"replayed": len(replay)} if replay else {})})

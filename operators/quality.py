@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import random
+import stat
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -119,28 +120,101 @@ def draw_replay(buffer: tuple[Kept, ...], new_samples: int, ratio: float, seed: 
     return random.Random(seed).sample(list(buffer), n) if n else []
 
 
-_FIXED: dict[tuple, list[Kept]] = {}
+_FIXED: dict[tuple, list[Kept] | Exception] = {}
 _FIXED_LOCK = threading.Lock()
+EVAL_MAX_BYTES = 64 << 20   # default cap of a fixed eval file (STREAMTUNE_EVAL_MAX_BYTES)
+_CHUNK = 1 << 20
 
 
-def load_fixed(uri: str, size: int) -> list[Kept]:
+def eval_roots(artifact_store: Optional[str] = None, env: Optional[dict] = None) -> list[Path]:
+    """Where a fixed eval file may be: the directories of STREAMTUNE_EVAL_ROOTS (os.pathsep-
+    separated) and a local artifact store.
+
+    >>> [str(p) for p in eval_roots("file:///data/adapters", {"STREAMTUNE_EVAL_ROOTS": "/data/eval"})]
+    ['/data/eval', '/data/adapters']
+    """
+    env = os.environ if env is None else env
+    roots = [Path(d) for d in env.get("STREAMTUNE_EVAL_ROOTS", "").split(os.pathsep) if d]
+    if artifact_store and (artifact_store.startswith("file://") or "://" not in artifact_store):
+        roots.append(Path(artifact_store.removeprefix("file://")))
+    return roots
+
+
+def eval_max_bytes(env: Optional[dict] = None) -> int:
+    return int((os.environ if env is None else env).get("STREAMTUNE_EVAL_MAX_BYTES") or EVAL_MAX_BYTES)
+
+
+def eval_unbounded(env: Optional[dict] = None) -> bool:
+    """STREAMTUNE_EVAL_UNBOUNDED=1: no roots, no cap (the old behaviour; tests and demos only)."""
+    return (os.environ if env is None else env).get("STREAMTUNE_EVAL_UNBOUNDED") == "1"
+
+
+def _read_capped(path: Path, max_bytes: Optional[int]) -> str:
+    """The file's text, read in chunks that stop at `max_bytes` (a device or a growing file
+    never makes this allocate more); ValueError past the cap or for anything but a regular file."""
+    with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        chunks, total = [], 0
+        while chunk := f.read(_CHUNK):
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:
+                raise ValueError(f"{path} is over the eval file cap of {max_bytes} bytes "
+                                 "(STREAMTUNE_EVAL_MAX_BYTES); reading stopped there")
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def load_fixed(uri: str, size: int, roots: Optional[list[Path]] = None) -> list[Kept]:
     """A fixed eval set: JSONL of {"prompt", "completion"} (a local path or file:// URI),
     at most `size` lines (a hash sample beyond that), cached while the file is unchanged.
-    OSError or ValueError when it cannot be read."""
+
+    Bounded: the file must be a regular file under one of `roots` (eval_roots(): the eval
+    roots and the artifact store; symlinks resolved first) and at most eval_max_bytes(),
+    enforced while reading. A failure is cached like a success, so replays of the same spec
+    do not read the file again. OSError or ValueError when it cannot be used.
+
+    >>> load_fixed("/dev/zero", 10, roots=[Path("/dev")])
+    Traceback (most recent call last):
+    ...
+    ValueError: /dev/zero is not a regular file
+    >>> load_fixed("/etc/hostname", 10, roots=[Path("/data/eval")])
+    Traceback (most recent call last):
+    ...
+    ValueError: /etc/hostname is outside the eval roots (/data/eval; STREAMTUNE_EVAL_ROOTS or the artifact store)
+    """
+    unbounded = eval_unbounded()
     path = Path(uri.removeprefix("file://"))
-    stat = os.stat(path)
-    key = (str(path), stat.st_mtime_ns, stat.st_size, size)
+    if not unbounded:
+        path = path.resolve()
+        allowed = [Path(r).resolve() for r in (roots if roots is not None else eval_roots())]
+        if not any(path.is_relative_to(r) for r in allowed):
+            raise ValueError(f"{path} is outside the eval roots ({os.pathsep.join(map(str, allowed)) or 'none set'}; "
+                             "STREAMTUNE_EVAL_ROOTS or the artifact store)")
+    st = os.stat(path)
+    max_bytes = None if unbounded else eval_max_bytes()
+    key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size, size, max_bytes)
     with _FIXED_LOCK:
         if key not in _FIXED:
-            rows = []
-            for n, line in enumerate(path.read_text().splitlines()):
-                if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict) or not row.get("prompt") or not row.get("completion"):
-                        raise ValueError(f"{uri} line {n + 1}: needs a prompt and a completion")
-                    rows.append(Kept(f"line{n + 1}", str(row["prompt"]), str(row["completion"])))
-            _FIXED[key] = sorted(reservoir(rows, size, "fixed"), key=lambda s: int(s.sample_id[4:]))
-        return _FIXED[key]
+            try:
+                _FIXED[key] = _parse_fixed(uri, _read_capped(path, max_bytes), size)
+            except (OSError, ValueError) as e:
+                _FIXED[key] = e
+        found = _FIXED[key]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def _parse_fixed(uri: str, text: str, size: int) -> list[Kept]:
+    rows = []
+    for n, line in enumerate(text.splitlines()):
+        if line.strip():
+            row = json.loads(line)
+            if not isinstance(row, dict) or not row.get("prompt") or not row.get("completion"):
+                raise ValueError(f"{uri} line {n + 1}: needs a prompt and a completion")
+            rows.append(Kept(f"line{n + 1}", str(row["prompt"]), str(row["completion"])))
+    return sorted(reservoir(rows, size, "fixed"), key=lambda s: int(s.sample_id[4:]))
 
 
 @dataclass

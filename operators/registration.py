@@ -14,7 +14,9 @@ versions registered since are found by their version_id and only broadcast again
 
 A version whose artifact is missing or does not match its sha256 is never registered: it
 goes to the DLQ (`artifact_integrity`, kind `version`), is logged and counted, and the next
-versions register. Counters: versions_in = registered + already_registered + integrity_failures
+versions register. The sha256 covers the whole artifact through its manifest
+(connectors/artifact_store.py): a changed config, changed weights, a missing or an unlisted
+file each refuse the version, and the dead letter's detail names the file. Counters: versions_in = registered + already_registered + integrity_failures
 + queued (in state); registration_retries counts failed attempts. A version's run gets its
 params and metrics after its broadcast is handed on (run_finish_failures counts runs MLflow
 refused to finish).
@@ -195,7 +197,8 @@ class RegistrationFunction(KeyedProcessFunction):
         wait_ms = 0
         while not self.closed:
             try:
-                finish_run(self.client, record, run_id, self.registry_cache, check=check or wait_ms > 0)
+                finish_run(self.client, record, run_id, self.registry_cache, check=check or wait_ms > 0,
+                           store=self.store)
                 return
             except RestException as e:
                 if 400 <= e.get_http_status_code() < 500:

@@ -1,6 +1,6 @@
 """Does a small partition wait behind a big backlog in the same consumer?
 
-README "Benchmarks", finding A: a job started on a large feedback backlog read its config
+docs/benchmarks.md, "Ingest", the first open finding: a job started on a large feedback backlog read its config
 topic late. This writes one record to a fresh "config" topic and `--records` records of 200
 bytes to a fresh "feedback" topic, then reads both from the earliest offset with a
 `read_committed` kafka-python consumer, once subscribed feedback first and once config

@@ -49,7 +49,7 @@ CREATE TEMPORARY TABLE feedback (
 -- Dead letters (core.messages.DeadLetter). Event time: when the rejected record was produced
 -- (source.timestamp), else this record's Kafka timestamp.
 CREATE TEMPORARY TABLE dlq (
-  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable | no_pseudo_labels | artifact_integrity',
+  reason STRING COMMENT 'empty | oversized | bad_json | schema | unsupported_source | unknown_model | not_a_change_event | no_row_key | unmappable | no_pseudo_labels | artifact_integrity | timestamp | unsigned_response',
   detail STRING,
   kind STRING COMMENT 'sample | config | trigger | change | version | inference',
   model_id STRING COMMENT 'NULL unless known (unknown_model)',
@@ -78,7 +78,7 @@ CREATE TEMPORARY TABLE versions (
   seq BIGINT,
   window_start BIGINT COMMENT 'epoch ms',
   window_end BIGINT COMMENT 'epoch ms',
-  sha256 STRING,
+  sha256 STRING COMMENT 'of the artifact manifest.json, which lists the sha256 of every file',
   artifact_uri STRING COMMENT 'artifact store URI of the adapter files, named by their sha256',
   base_model STRING,
   config_version INT,

@@ -1,6 +1,6 @@
 """`streamtune cdc`: capture a PostgreSQL table set or a MongoDB collection into Kafka.
 
-    streamtune cdc --source 'postgres://u:p@host:5432/db?table=public.feedback&table=policies'
+    streamtune cdc --source 'postgres://u@host:5432/db?table=public.feedback&table=policies&password_env=PG_PASSWORD'
     streamtune cdc --source 'mongodb://host:27017/?db=shop&collection=reviews' --topic shop.reviews
 
 Each change becomes one Kafka record (key: the row's identity, value: a Debezium envelope,
@@ -10,6 +10,10 @@ hook, so a Flink job could not tell PostgreSQL that a change is durable. Here du
 Kafka's acknowledgement (acks=all): the slot is confirmed, and the Mongo resume token stored,
 only for changes Kafka has acknowledged. A crash (kill -9) therefore re-sends at most what
 was in flight; `jobs/cdc_retrain.py` drops those repeats by source position.
+
+No secret goes on this command line (`ps` shows it to every user): a `--source` with a
+password is refused, and its secret reference (`password_env=VAR`, `password_file=PATH`) is
+read here, from this process's environment or the file, when the connection is made.
 
 Positions are also written to `--offsets-topic` (key: the connector name): PostgreSQL's
 confirmed position can go back across a server restart (a lost confirmation), so
@@ -25,7 +29,7 @@ stored token.
 | --offsets-topic   | streamtune.cdc-offsets           | last durable position per connector           |
 | --max-batch       | 500                              | events per Kafka flush                        |
 | --linger-ms       | 5                                | longest wait before a flush                   |
-| --bootstrap       | the local stack's Kafka          |                                               |
+| --bootstrap-server| the local stack's Kafka          |                                               |
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ import time
 from kafka import KafkaProducer
 
 from connectors.kafka import create_topic, read_to_end
-from core import defaults
+from core import defaults, transport
 from core.errors import CaptureError
 from core.messages import ChangeEnvelope
 from core.sources import SourceKind, source_for
+from core.options import add_bootstrap_option
 
 log = logging.getLogger("streamtune.cdc")
 
@@ -93,7 +98,8 @@ class Capture:
         # acks=all + one request in flight: acknowledged means durable and in order.
         self.producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0,
                                       max_in_flight_requests_per_connection=1, retries=10,
-                                      key_serializer=str.encode, value_serializer=str.encode)
+                                      key_serializer=str.encode, value_serializer=str.encode,
+                                      **transport.kafka_python_kwargs())
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         log.info("capturing %s into %s (stored position: %s)", self.source.name, self.topic, self.stored or "none")
@@ -164,7 +170,7 @@ def add_parser(sub) -> None:
     p.add_argument("--offsets-topic", default=defaults.CDC_OFFSETS_TOPIC)
     p.add_argument("--max-batch", type=int, default=500)
     p.add_argument("--linger-ms", type=int, default=5)
-    p.add_argument("--bootstrap")
+    add_bootstrap_option(p, help="Kafka bootstrap servers (default: the local stack's Kafka)")
     p.set_defaults(func=cmd_cdc)
 
 

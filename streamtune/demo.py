@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from connectors.kafka import read_topic
+from core import transport
 from core.messages import AdapterVersionBroadcast, FinetuneSpec
 
 from .feedback import digit_samples, producer, send_config, send_samples
@@ -82,12 +83,15 @@ class DemoServer:
 
         self.url = f"http://127.0.0.1:{free_port()}"
         self.proc = spawn_logged([sys.executable, "-m", "streamtune.cli", "serve", "--port", self.url.rsplit(":", 1)[1],
-                                  "--base-model", str(base_dir), "--bootstrap", config.kafka_bootstrap,
+                                  "--base-model", str(base_dir), "--bootstrap-server", config.kafka_bootstrap,
                                   "--tracking-uri", config.mlflow_uri, "--broadcast-topics", re.escape(topic),
                                   "--artifact-store", str(artifact_store or config.data_dir / "adapters"),
                                   "--no-auto-rollback", *extra_args],
                                  log_file)
         self.log_file = log_file
+        # The server reads the same environment: where it holds tokens, calls carry one.
+        from .auth import bearer_headers
+        self.headers = bearer_headers("inference")
 
     def wait_ready(self, timeout_s: float) -> None:
         import requests
@@ -110,7 +114,7 @@ class DemoServer:
 
         hits, version = 0, None
         for prompt, completion in pairs:
-            r = requests.post(f"{self.url}/v1/completions", timeout=60,
+            r = requests.post(f"{self.url}/v1/completions", timeout=60, headers=self.headers,
                               json={"model": model, "prompt": prompt, "max_tokens": 8})
             r.raise_for_status()
             body = r.json()
@@ -124,7 +128,7 @@ class DemoServer:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            models = requests.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+            models = requests.get(f"{self.url}/v1/models", timeout=10, headers=self.headers).json()["data"]
             if any(m["id"] == model_id and m.get("aliases", {}).get("champion") == version for m in models):
                 return
             time.sleep(0.05)
@@ -142,7 +146,7 @@ def follow_broadcasts(config: StackConfig, topic: str, count: int, timeout_s: fl
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, enable_auto_commit=False,
-                             fetch_max_wait_ms=100)
+                             fetch_max_wait_ms=100, **transport.kafka_python_kwargs())
     consumer.assign([TopicPartition(topic, 0)])
     consumer.seek_to_beginning()
     seen = {} if seen is None else seen
@@ -190,7 +194,7 @@ def _run(config: StackConfig, as_json: bool, say, run: str, model_id: str, topic
     say(f"serving at {server.url}: base model, held-out exact match {served_before:.2f} (50 prompts)")
 
     job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", [
-        "--bootstrap", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
+        "--bootstrap-server", config.kafka_bootstrap, "--feedback-topic", topics["feedback"],
         "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
         "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"], "--base-model", str(base_dir),
         "--artifact-store", str(config.data_dir / "adapters"), "--tracking-uri", config.mlflow_uri,

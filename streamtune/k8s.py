@@ -28,7 +28,7 @@ flink-conf/config.yaml, as for the local stack and the image.
  ('Job', 'st-support-bot-4e29d8b7-spec'), ('Deployment', 'st-support-bot-4e29d8b7-serve'),
  ('Service', 'st-support-bot-4e29d8b7-serve')]
 >>> job_args(p)[:6]
-['-py', '/opt/streamtune/jobs/stream_finetune.py', '--bootstrap', 'streamtune-kafka-bootstrap:9092', '--feedback-topic', 'clicks']
+['-py', '/opt/streamtune/jobs/stream_finetune.py', '--bootstrap-server', 'streamtune-kafka-bootstrap:9092', '--feedback-topic', 'clicks']
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ import yaml
 from core import defaults
 from core.errors import ConfigError
 from core.sources.postgres import PostgresSource
-from streamtune.api.gateway import job_name, job_topics
-from streamtune.api.pipelines import pipeline_key, pipeline_topics
 from streamtune.pipeline import Pipeline, connector_name
 from streamtune.stack.flink import REPO_FLINK_CONF, flatten
 
@@ -68,7 +66,11 @@ DATA_PVC = "streamtune-flink-data"
 ENV_CONFIGMAP = "streamtune-env"
 SESSION_CLUSTER = "streamtune-session"
 POSTGRES_SECRET = "streamtune-postgres"   # keys PGUSER, PGPASSWORD; created outside git
-API_TOKEN_SECRET = "streamtune-api-token"  # key token
+API_TOKEN_SECRET = "streamtune-api-token"  # key token (older single admin token; no manifest uses it)
+TOKENS_SECRET = "streamtune-tokens"        # keys admin, read, feedback, inference (streamtune.auth)
+TOKENS_DIR = "/etc/streamtune/tokens"      # where it is mounted: STREAMTUNE_TOKENS_DIR
+RESPONSE_KEY_SECRET = "streamtune-response-key"  # key `key`: signs response ids (core.response_ids)
+RESPONSE_KEY_DIR = "/etc/streamtune/response-key"
 PIPELINE_DIR = "/etc/streamtune/pipeline"
 LABELS = {"app.kubernetes.io/part-of": "streamtune"}
 
@@ -128,10 +130,17 @@ def _flink_str(value: Any) -> str:
 
 def topics(pipeline: Pipeline) -> dict[str, str]:
     """The job's topics, named as the control plane names them."""
+    # Imported here, not above: they pull in Kafka and FastAPI, which `streamtune render --help` does without.
+    from streamtune.api.gateway import job_topics
+    from streamtune.api.pipelines import pipeline_topics
+
     return pipeline_topics(pipeline.name) if pipeline.is_cdc else job_topics(pipeline.source.topic)
 
 
 def flink_job_name(pipeline: Pipeline) -> str:
+    from streamtune.api.gateway import job_name
+    from streamtune.api.pipelines import pipeline_key
+
     return job_name(pipeline_key(pipeline.name) if pipeline.is_cdc else pipeline.source.topic)
 
 
@@ -144,7 +153,7 @@ def job_args(pipeline: Pipeline, bootstrap: str = KAFKA_BOOTSTRAP) -> list[str]:
     else:
         script = "stream_finetune.py"
         source_args = ["--feedback-topic", t["feedback"]]
-    return ["-py", f"{APP_DIR}/jobs/{script}", "--bootstrap", bootstrap, *source_args,
+    return ["-py", f"{APP_DIR}/jobs/{script}", "--bootstrap-server", bootstrap, *source_args,
             "--config-topic", t["configs"], "--versions-topic", t["versions"], "--dlq-topic", t["dlq"],
             "--broadcast-topic", t["adapter-versions"], "--base-model", BASE_MODEL, "--tracking-uri", MLFLOW_URI,
             "--artifact-store", ARTIFACT_STORE, "--job-name", flink_job_name(pipeline)]
@@ -218,17 +227,43 @@ def capture_deployment(pipeline: Pipeline, image: str = IMAGE) -> dict:
     start_capture); one replica, replaced not rolled (two captures would share a slot)."""
     connector = connector_name(pipeline.name)
     args = ["--source", pipeline.capture_source(connector), "--name", connector, "--topic", topics(pipeline)["cdc"],
-            "--bootstrap", KAFKA_BOOTSTRAP, "--offsets-topic", defaults.CDC_OFFSETS_TOPIC,
+            "--bootstrap-server", KAFKA_BOOTSTRAP, "--offsets-topic", defaults.CDC_OFFSETS_TOPIC,
             *(["--snapshot"] if pipeline.cdc.snapshot else [])]
-    env = []
-    if isinstance(pipeline.source, PostgresSource):  # credentials stay out of the spec
+    env, mounts, volumes = [], [], []
+    source, secret = pipeline.source, source_secret_name(pipeline)
+    if source.password_env is not None:  # the source's own secret: key VAR of Secret <name>-source
+        env = [{"name": source.password_env, "valueFrom": {"secretKeyRef": {"name": secret,
+                                                                            "key": source.password_env}}}]
+    elif source.password_file is not None:  # the same Secret, mounted where password_file points
+        folder, file = source.password_file.rsplit("/", 1)
+        folder = folder or "/"
+        env = [{"name": "STREAMTUNE_SECRET_DIRS", "value": folder}]
+        mounts = [{"name": "source-secret", "mountPath": folder, "readOnly": True}]
+        volumes = [{"name": "source-secret", "secret": {"secretName": secret, "items": [{"key": file, "path": file}]}}]
+    elif isinstance(source, PostgresSource):  # credentials stay out of the spec
         env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": POSTGRES_SECRET, "key": key}}}
                for key in ("PGUSER", "PGPASSWORD")]
     name = f"{resource_name(pipeline.model_id)}-capture"
-    return _deployment(name, {"name": "capture", "image": image, "imagePullPolicy": "IfNotPresent",
-                              "command": [STREAMTUNE, "cdc"], "args": args, "envFrom": _env_from(), "env": env,
-                              "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}}},
-                       strategy={"type": "Recreate"})
+    container = {"name": "capture", "image": image, "imagePullPolicy": "IfNotPresent",
+                 "command": [STREAMTUNE, "cdc"], "args": args, "envFrom": _env_from(), "env": env,
+                 "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}}}
+    if mounts:
+        container["volumeMounts"] = mounts
+    return _deployment(name, container, strategy={"type": "Recreate"}, **({"volumes": volumes} if volumes else {}))
+
+
+def source_secret_name(pipeline: Pipeline) -> str:
+    """The Secret a source's secret reference reads on Kubernetes (created outside git):
+    key VAR for `password_env=VAR`, key FILE for `password_file=/dir/FILE`.
+
+    >>> p = Pipeline.model_validate({"model_id": "bot", "cdc": {"prompt": "q", "completion": "a"},
+    ...     "stream_source": "postgres://bot@db/app?table=answers&password_env=BOT_PG_PASSWORD",
+    ...     "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]},
+    ...     "trigger_policy": {"min_samples_per_window": 4, "window_seconds": 2}})
+    >>> source_secret_name(p), capture_deployment(p)["spec"]["template"]["spec"]["containers"][0]["env"]
+    ('st-bot-9d74932b-source', [{'name': 'BOT_PG_PASSWORD', 'valueFrom': {'secretKeyRef': {'name': 'st-bot-9d74932b-source', 'key': 'BOT_PG_PASSWORD'}}}])
+    """
+    return f"{resource_name(pipeline.model_id)}-source"
 
 
 def spec_job(pipeline: Pipeline, image: str = IMAGE) -> dict:
@@ -255,25 +290,30 @@ def serve_deployment(pipeline: Pipeline, gpu: bool = False, image: str = IMAGE) 
     topic, for a kafka:// source, for the rollback guard)."""
     t = topics(pipeline)
     args = ["--host", "0.0.0.0", "--port", "8100", "--base-model", BASE_MODEL,
-            "--bootstrap", KAFKA_BOOTSTRAP, "--tracking-uri", MLFLOW_URI, "--artifact-store", ARTIFACT_STORE,
+            "--bootstrap-server", KAFKA_BOOTSTRAP, "--tracking-uri", MLFLOW_URI, "--artifact-store", ARTIFACT_STORE,
             "--broadcast-topics", re.escape(t["adapter-versions"]),
             *(["--feedback-topics", re.escape(t["feedback"])] if "feedback" in t else []),
             "--promotion-log", f"/flink-data/promotions-{resource_name(pipeline.model_id)}.jsonl"]
     container = {"name": "serve", "image": image, "imagePullPolicy": "IfNotPresent",
                  "command": [STREAMTUNE, "serve"], "args": args, "envFrom": _env_from(),
-                 "env": [{"name": "STREAMTUNE_API_TOKEN",
-                          "valueFrom": {"secretKeyRef": {"name": API_TOKEN_SECRET, "key": "token"}}}],
+                 # Bound on 0.0.0.0: tokens per scope from the mounted Secret, re-read on change.
+                 "env": [{"name": "STREAMTUNE_TOKENS_DIR", "value": TOKENS_DIR},
+                         {"name": "STREAMTUNE_RESPONSE_SIGNING_KEY_FILE", "value": f"{RESPONSE_KEY_DIR}/key"}],
                  "ports": [{"name": "http", "containerPort": 8100}],
                  "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 10,
                                     "failureThreshold": 30},
-                 "volumeMounts": [{"name": "flink-data", "mountPath": "/flink-data"}],
+                 "volumeMounts": [{"name": "flink-data", "mountPath": "/flink-data"},
+                                  {"name": "tokens", "mountPath": TOKENS_DIR, "readOnly": True},
+                                  {"name": "response-key", "mountPath": RESPONSE_KEY_DIR, "readOnly": True}],
                  "resources": {"requests": {"cpu": "1", "memory": "4Gi"}}}
     extra: dict = {}
     if gpu:
         container["resources"] = {"requests": {**container["resources"]["requests"], "nvidia.com/gpu": 1},
                                   "limits": {"nvidia.com/gpu": 1}}
         extra["tolerations"] = GPU_TOLERATIONS
-    return _deployment(f"{resource_name(pipeline.model_id)}-serve", container, volumes=[_data_volume()],
+    return _deployment(f"{resource_name(pipeline.model_id)}-serve", container,
+                       volumes=[_data_volume(), {"name": "tokens", "secret": {"secretName": TOKENS_SECRET}},
+                                {"name": "response-key", "secret": {"secretName": RESPONSE_KEY_SECRET}}],
                        securityContext={"fsGroup": 9999}, **extra)
 
 

@@ -56,6 +56,16 @@ class LocalJob:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def freeze(self) -> None:
+        """SIGSTOP the whole mini-cluster: nothing it does (a checkpoint, a transaction's commit)
+        can happen until `thaw` or `kill`; a test freezes first to check where a kill will land."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the whole mini-cluster (JVM, Python workers): a crash, not a shutdown."""
         if self.proc is not None:

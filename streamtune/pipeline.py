@@ -14,9 +14,13 @@ or `POST /v1/pipelines`.
       snapshot: false                        # first start: existing rows become samples too
 
 A pipeline is a fine-tune spec (core.messages.FinetuneSpec, the same validation) plus `cdc`,
-the mapping of the model's own table or collection. The seed's fine-tune JSON, a `kafka://`
-source without `cdc`, is the smallest pipeline. Credentials never go in the file: the
-control plane's environment supplies them to the capture (PGUSER / PGPASSWORD).
+the mapping of the model's own table or collection. The smallest pipeline is a fine-tune
+JSON with a `kafka://` source and no `cdc`. Credentials never go in the file (a URI with a
+password is refused): the source names a secret reference, `password_env=VAR` or
+`password_file=/run/secrets/FILE` (core/sources/base.py), that the capture resolves in its own
+environment; on Kubernetes, `streamtune render` maps VAR to a key of the Secret
+`<name>-source`. Without a reference, a source on the stack's own PostgreSQL gets the stack's
+user and password from the control plane (PGUSER / PGPASSWORD); any other host gets none.
 
 >>> p = Pipeline.model_validate({
 ...     "model_id": "bot", "stream_source": "postgres://db/app?table=answers",
@@ -27,6 +31,9 @@ control plane's environment supplies them to the capture (PGUSER / PGPASSWORD).
 ([('public.answers', 'bot')], ['bot'])
 >>> p.capture_source("st_bot")
 'postgres://db/app?table=public.answers&table=public.policies&slot=st_bot&publication=st_bot'
+>>> p.model_copy(update={"stream_source": "postgres://bot@db/app?table=answers&password_env=BOT_PG_PASSWORD"}
+...              ).capture_source("st_bot")  # the secret reference goes with it, never a secret
+'postgres://bot@db/app?table=public.answers&table=public.policies&slot=st_bot&publication=st_bot&password_env=BOT_PG_PASSWORD'
 >>> Pipeline.model_validate({**p.finetune_spec().model_dump(), "cdc": None})
 Traceback (most recent call last):
 ...
@@ -46,6 +53,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 from pydantic import Field, model_validator
 
 from core.messages import FinetuneSpec, Message
+from core.sources.base import SECRET_OPTIONS
 from core.sources.kafka import KafkaSource
 from core.sources.mongodb import MongoSource
 from core.sources.postgres import PostgresSource, qualified
@@ -121,7 +129,9 @@ class Pipeline(FinetuneSpec):
             return self.stream_source
         tables = list(self.source.tables) + [qualified(t.table) for t in self.cdc.triggers
                                              if t.table is not None and qualified(t.table) not in self.source.tables]
-        query = urlencode([("table", t) for t in tables] + [("slot", connector), ("publication", connector)])
+        secret_refs = [(k, v) for k in SECRET_OPTIONS for v in self.source.query.get(k, [])]
+        query = urlencode([("table", t) for t in tables] + [("slot", connector), ("publication", connector)]
+                          + secret_refs)
         return urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from core import transport
 from core.messages import FinetuneSpec, Message
 from streamtune.local_job import kill_group, spawn_logged
 
@@ -85,24 +86,42 @@ def committed_reader(bootstrap: str, topic: str):
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                             enable_auto_commit=False, fetch_max_wait_ms=20)
+                             enable_auto_commit=False, fetch_max_wait_ms=20, **transport.kafka_python_kwargs())
     consumer.assign([TopicPartition(topic, 0)])
     consumer.seek_to_beginning()
     return consumer
 
 
+def password_to_env(source: str) -> tuple[str, dict[str, str]]:
+    """A source URI without its password, and the password as PGPASSWORD: a URI with one is
+    refused (core/sources/base.py), and argv is no place for it.
+
+    >>> password_to_env("postgresql://u:p%40ss@h:5432/db?table=t")
+    ('postgresql://u@h:5432/db?table=t', {'PGPASSWORD': 'p@ss'})
+    """
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(source)
+    if not parts.password:
+        return source, {}
+    user, host = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0], parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}")), {"PGPASSWORD": unquote(parts.password)}
+
+
 class CaptureProcess:
-    """`streamtune cdc` as a child process that a test can SIGKILL and start again."""
+    """`streamtune cdc` as a child process that a test can SIGKILL and start again (a password
+    in `source` goes to its environment)."""
 
     def __init__(self, source: str, name: str, topic: str, log_file: Path, bootstrap: str,
                  offsets_topic: str, *extra: str):
+        source, self.env = password_to_env(source)
         self.cmd = [sys.executable, "-m", "streamtune.cli", "cdc", "--source", source, "--name", name,
-                    "--topic", topic, "--bootstrap", bootstrap, "--offsets-topic", offsets_topic, *extra]
+                    "--topic", topic, "--bootstrap-server", bootstrap, "--offsets-topic", offsets_topic, *extra]
         self.log_file = Path(log_file)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "CaptureProcess":
-        self.proc = spawn_logged(self.cmd, self.log_file)
+        self.proc = spawn_logged(self.cmd, self.log_file, extra_env=self.env)
         return self
 
     def kill(self) -> None:
@@ -329,3 +348,26 @@ def scrape_prometheus(host: str, job_name: str) -> dict[tuple[str, str], list[fl
                     operator = re.sub(r"\W", "_", sample.labels["operator_name"])
                     values[(operator, sample.name[len(PROMETHEUS_OPERATOR_PREFIX):])].append(sample.value)
     return values
+
+
+def random_adapter_files(base_model: str | Path, seed: int) -> tuple[dict[str, bytes], str]:
+    """A PEFT LoRA artifact of a base model as the trainer writes it (rank 4 on q/v, random B
+    so that seeds give different versions), and its sha256 (of its manifest)."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save as save_safetensors
+    from transformers import AutoModelForCausalLM
+
+    from connectors.artifact_store import artifact_sha256
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base_model)), config)
+    weights = save_safetensors({k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()})
+    peft_config = {k: (sorted(v) if isinstance(v, set) else v)
+                   for k, v in model.peft_config["default"].to_dict().items()}
+    files = {"adapter_model.safetensors": weights, "adapter_config.json": json.dumps(peft_config).encode()}
+    return files, artifact_sha256(files)

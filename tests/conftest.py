@@ -31,3 +31,62 @@ def base_model(stack_config):
 
     return build_tiny_llama(stack_config.data_dir / "models" / "tiny-llama")
 
+
+
+# What a test module starts, it must stop: on two cores one leftover training job or process
+# slows every later test (a leak showed up as jobs training 10x slower late in the suite).
+_STACK_PROCESSES = ("tansu", "postgres", "secantus", "mongod", "mlflow", "org.apache.flink", "pyflink")
+
+
+def _running_job_ids(rest_url: str) -> set[str]:
+    import requests
+
+    try:
+        jobs = requests.get(f"{rest_url}/jobs/overview", timeout=5).json()["jobs"]
+    except Exception:  # no session cluster (a module that needs none): nothing to clean
+        return set()
+    return {j["jid"] for j in jobs if j["state"] not in ("FINISHED", "CANCELED", "FAILED")}
+
+
+def _descendants() -> dict[int, str]:
+    import psutil
+
+    found = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if not any(marker in cmdline for marker in _STACK_PROCESSES):
+            found[p.pid] = cmdline[:160]
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_leaves_nothing_running():
+    """Cancel the Flink jobs and stop the processes a module left running, and say so."""
+    import warnings
+
+    import psutil
+    import requests
+
+    rest_url = StackConfig.from_env().flink_rest_url
+    jobs_before, processes_before = _running_job_ids(rest_url), _descendants()
+    yield
+    leaked_jobs = _running_job_ids(rest_url) - jobs_before
+    for job in leaked_jobs:
+        requests.patch(f"{rest_url}/jobs/{job}", params={"mode": "cancel"}, timeout=10)
+    leaked = {pid: cmd for pid, cmd in _descendants().items() if pid not in processes_before}
+    procs = []
+    for pid in leaked:
+        try:
+            procs.append(psutil.Process(pid))
+            procs[-1].terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        p.kill()
+    if leaked_jobs or leaked:
+        warnings.warn(pytest.PytestWarning(
+            f"left running, now stopped: Flink jobs {sorted(leaked_jobs)}, processes {leaked}"))

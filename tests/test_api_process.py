@@ -3,7 +3,7 @@
 The API is started as a user starts it (`python -m streamtune.cli api --port P`); every client
 command runs as its own process against it. Each check reads only what a user sees: the exit
 code, the JSON answer on stdout, and for an error one line on stderr and nothing on stdout
-(README "Errors and exit codes": 2 bad usage or input, 3 a service unreachable).
+(docs/concepts/architecture.md, "Errors and exit codes": 2 bad usage or input, 3 a service unreachable).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class ApiProcess:
 @pytest.fixture
 def start_api(stack_config, base_model, tmp_path):
     """Starts `streamtune api --port P [--token-file F]` with `env_token` in its environment;
-    answers once /openapi.json does. The base model is the API's default (<data_dir>/models)."""
+    answers once /healthz does. The base model is the API's default (<data_dir>/models)."""
     started: list[ApiProcess] = []
 
     def start(env_token: str, token_file: Path | None = None) -> ApiProcess:
@@ -78,11 +78,11 @@ def start_api(stack_config, base_model, tmp_path):
         def listening() -> bool:
             assert proc.poll() is None, f"the API exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
             try:
-                return requests.get(f"{api.url}/openapi.json", timeout=2).status_code == 200
+                return requests.get(f"{api.url}/healthz", timeout=2).status_code == 200
             except requests.RequestException:
                 return False
 
-        wait_for(listening, 60, "the API to answer /openapi.json", interval=0.2)
+        wait_for(listening, 60, "the API to answer /healthz", interval=0.2)
         return api
 
     yield start

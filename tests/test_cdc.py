@@ -8,6 +8,7 @@ MLflow. Rows are changed with psql, documents with pymongo.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import threading
@@ -20,7 +21,8 @@ from kafka import KafkaProducer
 
 from core.messages import AdapterVersionBroadcast, ChangeEnvelope, ChangeOrigin, DeadLetter, VersionRecord
 from streamtune.stack.postgres import Postgres
-from streamtune.testing import CaptureProcess, cdc_spec, psql, wait_for, wait_for_records, wait_past_window
+from streamtune.testing import (CaptureProcess, cdc_spec, password_to_env, psql, wait_for, wait_for_records,
+                                wait_past_window)
 from connectors.kafka import create_topic, read_topic
 from streamtune.feedback import send_config
 from streamtune.local_job import LocalJob
@@ -43,7 +45,7 @@ def retrain_job(topics: dict, mapping: dict, base_model, tmp: Path, bootstrap: s
             "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
             "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
             "--base-model", str(base_model), "--artifact-store", str(tmp / "adapters"),
-            "--bootstrap", bootstrap, "--checkpoint-interval-ms", "1000", "--job-name", name,
+            "--bootstrap-server", bootstrap, "--checkpoint-interval-ms", "1000", "--job-name", name,
             "--parallelism", str(parallelism)]
     return LocalJob(args, tmp / "checkpoints", tmp / "job.log", module="jobs.cdc_retrain")
 
@@ -71,7 +73,7 @@ def mongo(stack_config):
 
 
 @pytest.mark.deploy
-@pytest.mark.parametrize("parallelism", [1, pytest.param(2, marks=[pytest.mark.scale, pytest.mark.slow])])
+@pytest.mark.parametrize("parallelism", [1, pytest.param(2, marks=pytest.mark.scale)])
 def test_changes_become_versions(stack_config, base_model, mongo, tmp_path, parallelism):
     """psql rows and pymongo documents → samples → versions in MLflow whose lineage names LSNs and tokens.
 
@@ -249,7 +251,7 @@ def test_kill_capture_mid_stream_loses_nothing_trains_nothing_twice(stack_config
         rows_after(written[0], 5, "rows written after the restart")
         # The retrain job is not killed here: its window closes follow the watermark of three
         # topics, so a replay can cut windows differently, and Tansu shows the killed run's
-        # aborted versions to read_committed readers (README "Known limits").
+        # aborted versions to read_committed readers (docs/guides/local-stack.md, "Known limits").
         done.set()
         writer.join()
         n = written[0]
@@ -339,10 +341,10 @@ def test_missing_table_and_bad_mapping_are_clear_errors(stack_config, tmp_path):
     from streamtune.local_job import REPO
 
     u = f"{time.time_ns() % 10**9:x}"
-    result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--source",
-                             f"{stack_config.postgres_dsn}?table=no_such_{u}", "--name", f"missing-{u}",
-                             "--bootstrap", stack_config.kafka_bootstrap], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    source, env = password_to_env(f"{stack_config.postgres_dsn}?table=no_such_{u}")
+    result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--source", source, "--name", f"missing-{u}",
+                             "--bootstrap-server", stack_config.kafka_bootstrap], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, **env})
     assert result.returncode == 2 and not result.stdout
     assert f"table public.no_such_{u} does not exist" in result.stderr
     result = subprocess.run([sys.executable, "-m", "streamtune.cli", "cdc", "--snapshot", "--source",

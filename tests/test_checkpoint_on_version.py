@@ -37,7 +37,7 @@ def test_a_version_commits_at_once_only_with_checkpoint_on_version(stack_config,
     topics = job_topics(bootstrap, f"test.cov-{unique}")
     model_id = f"cov-{unique}"
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path / "adapters", "--bootstrap", bootstrap,
+        topics, base_model, tmp_path / "adapters", "--bootstrap-server", bootstrap,
         "--checkpoint-interval-ms", str(INTERVAL_MS), "--idle-close-ms", "1000", "--no-register",
         "--job-name", f"cov-{unique}", *(("--checkpoint-on-version",) if on_version else ())))
     submitted = time.monotonic()

@@ -1,5 +1,5 @@
 """The web console's eval scores and serving panel, and the feedback-only token (marker
-`lowcode`, issue 16).
+`lowcode`).
 
 The API and `streamtune serve` run as processes, as a user starts them; the console is
 driven in headless chromium. Versions carrying the promotion gate's decision and scores go
@@ -9,7 +9,6 @@ tiny base, so the server loads and answers with them. Training is not what is te
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 import requests
 
 from streamtune.local_job import kill_group, spawn_logged
-from streamtune.testing import free_port, wait_for
+from streamtune.testing import free_port, random_adapter_files, wait_for
 from test_lowcode import headless_chromium, listening
 
 pytestmark = pytest.mark.lowcode
@@ -52,31 +51,11 @@ def test_feedback_token_is_accepted_by_feedback_only(tmp_path):
                                ("POST", "/v1/stream-finetune", {}), ("DELETE", "/v1/stream-finetune/m", None)):
         r = client.request(method, path, json=body, headers=FEEDBACK_AUTH)
         assert r.status_code == 403 and "POST /v1/feedback only" in r.text, (method, path, r.status_code, r.text)
-    reads = TestClient(create_app(ApiSettings(**settings, feedback_token=FEEDBACK_TOKEN, read_auth=True)))
+    reads = TestClient(create_app(ApiSettings(**settings, feedback_token=FEEDBACK_TOKEN)))
     assert reads.get("/v1/pipelines", headers=FEEDBACK_AUTH).status_code == 403
     assert reads.get("/v1/pipelines", headers=AUTH).status_code == 200
     with pytest.raises(ConfigError):
         ApiSettings(**settings, feedback_token=TOKEN)
-
-
-def adapter_files(base_model, seed: int) -> tuple[dict[str, bytes], str]:
-    """A PEFT LoRA artifact of the tiny base (rank 4, q/v, random B so versions differ), as
-    the trainer writes it; and its sha256."""
-    import hashlib
-
-    import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import save as save_safetensors
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                        task_type="CAUSAL_LM")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_model), config)
-    weights = save_safetensors({k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()})
-    peft_config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in model.peft_config["default"].to_dict().items()}
-    return ({"adapter_model.safetensors": weights, "adapter_config.json": json.dumps(peft_config).encode()},
-            hashlib.sha256(weights).hexdigest())
 
 
 GATES = [  # v1: first version; v2: better on every set, promoted; v3: forgets, refused
@@ -112,7 +91,7 @@ def register_gated_versions(stack_config, base_model, model_id: str, topic: str,
     producer = KafkaProducer(bootstrap_servers=stack_config.kafka_bootstrap, acks="all")
     champion, t0 = None, int(time.time() * 1000) // 2000 * 2000 - 10_000
     for seq, gate in enumerate(GATES, start=1):
-        files, sha256 = adapter_files(base_model, seq)
+        files, sha256 = random_adapter_files(base_model, seq)
         record = VersionRecord.model_validate({
             "version_id": f"{model_id}@{seq}", "model_id": model_id, "seq": seq,
             "window_start": t0 + 2_000 * seq, "window_end": t0 + 2_000 * seq + 1_999,
@@ -158,7 +137,7 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
                                        "STREAMTUNE_SERVE_URL": serve_url})
     serve_proc, browser, applied = None, None, False
     try:
-        wait_for(lambda: listening(api, api_proc, api_log, "/openapi.json"), 60, "the API to listen", interval=0.3)
+        wait_for(lambda: listening(api, api_proc, api_log, "/healthz"), 60, "the API to listen", interval=0.3)
         pipeline = {"model_id": model_id, "stream_source": f"kafka://topic={topic}",
                     "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
                     # never trains here: the versions come from the records below
@@ -167,7 +146,7 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         applied = r.status_code == 201
         assert applied, r.text
         register_gated_versions(stack_config, base_model, model_id, topic, store)
-        versions = requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30).json()["versions"]
+        versions = requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30, headers=AUTH).json()["versions"]
         assert [(v["version"], v["aliases"], v["gate"]["decision"]) for v in versions] == [
             (1, [], "promoted"), (2, ["champion"], "promoted"), (3, ["candidate"], "refused")]
         assert [(s["name"], s["exact_match"], s["champion_exact_match"], s["forgotten"], s["passed"])
@@ -175,7 +154,7 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
                                                           ("retained", 0.125, 0.5, 0.75, False)]
 
         # No server yet: a clear 503, shown in the serving panel.
-        r = requests.get(f"{api}/v1/models/{model_id}/serving", timeout=30)
+        r = requests.get(f"{api}/v1/models/{model_id}/serving", timeout=30, headers=AUTH)
         assert r.status_code == 503 and f"not reachable at {serve_url}" in r.json()["detail"], r.text
 
         browser = headless_chromium()
@@ -211,7 +190,7 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         serve_log = tmp_path / "serve.log"
         serve_proc = spawn_logged(
             [sys.executable, "-m", "streamtune.cli", "serve", "--port", str(serve_port), "--base-model",
-             str(base_model), "--artifact-store", str(store), "--bootstrap", stack_config.kafka_bootstrap,
+             str(base_model), "--artifact-store", str(store), "--bootstrap-server", stack_config.kafka_bootstrap,
              "--tracking-uri", stack_config.mlflow_uri, "--broadcast-topics", re.escape(f"{topic}.adapter-versions"),
              "--inference-log-topic", f"{topic}.inference-log", "--feedback-topics", re.escape(topic),
              "--candidate-fraction", "0.5", "--promotion-log", str(tmp_path / "promotions.jsonl"),
@@ -221,14 +200,14 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         def routes() -> dict:
             if not listening(serve_url, serve_proc, serve_log, "/readyz"):
                 return {}
-            data = requests.get(f"{serve_url}/v1/models", timeout=10).json()["data"]
+            data = requests.get(f"{serve_url}/v1/models", timeout=10, headers=AUTH).json()["data"]
             return next((m["aliases"] for m in data if m["id"] == model_id), {})
 
         wait_for(lambda: routes() == {"champion": 2, "candidate": 3}, 120, "the server to route champion/candidate",
                  interval=0.5)
         answers = []
         for u in range(24):
-            r = requests.post(f"{serve_url}/v1/completions", timeout=60,
+            r = requests.post(f"{serve_url}/v1/completions", timeout=60, headers=AUTH,
                               json={"model": model_id, "prompt": "x=12;y=", "max_tokens": 3, "user": f"user-{u}"})
             assert r.status_code == 200, r.text
             answers.append(r.json())
@@ -252,13 +231,14 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         r = requests.post(f"{api}/v1/models/{model_id}/aliases", json={"version": 3}, headers=FEEDBACK_AUTH,
                           timeout=30)
         assert r.status_code == 403 and "POST /v1/feedback only" in r.json()["detail"], r.text
-        assert requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30).json()["versions"][1]["aliases"] == \
+        assert requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30,
+                            headers=AUTH).json()["versions"][1]["aliases"] == \
             ["champion"]
 
         by_arm = {arm: sum(a["streamtune"]["arm"] == arm for a in answers) for arm in ("champion", "candidate")}
 
         def serving() -> dict:
-            r = requests.get(f"{api}/v1/models/{model_id}/serving", timeout=30)
+            r = requests.get(f"{api}/v1/models/{model_id}/serving", timeout=30, headers=AUTH)
             assert r.status_code == 200, r.text
             return r.json()
 

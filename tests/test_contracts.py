@@ -255,7 +255,7 @@ def test_exclusions_name_real_required_fields():
     ("  weight DOUBLE", "  weight BIGINT", "feedback.weight: BIGINT does not hold float"),
     ("  kind STRING", "  kind INT", "dlq.kind: INT does not hold str"),
     ("`offset` BIGINT, `timestamp`", "`offset` STRING, `timestamp`", "dlq.source.offset: STRING does not hold int"),
-    (" | artifact_integrity'", "'", "dlq.reason: COMMENT lists"),
+    (" | unsigned_response'", "'", "dlq.reason: COMMENT lists"),
     ("loss_after DOUBLE", "loss_after STRING", "versions.metrics.loss_after: STRING does not hold float"),
     ("target_modules ARRAY<STRING>", "target_modules STRING", "versions.adapter.target_modules: STRING does not hold a list"),
     ("  fresh_adapter BOOLEAN", "  fresh_adapter INT", "versions.fresh_adapter: INT does not hold bool"),

@@ -1,5 +1,7 @@
 """Kill the job with SIGKILL three times mid-stream, restore each time from the latest
-retained checkpoint, and check the exactly-once guarantees end to end through MLflow.
+retained checkpoint, and check the exactly-once guarantees end to end through MLflow. Each
+kill is made to land between a version's emission and the checkpoint that would commit it
+(the job is frozen with SIGSTOP, the version seen still uncommitted, then SIGKILL).
 
 Tansu (the local broker) shows records of aborted transactions to read_committed readers,
 so versions emitted after the last completed checkpoint of a killed run do leak. The test
@@ -9,7 +11,6 @@ restored job produces, which is what makes the idempotent registrar correct on i
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections import defaultdict
@@ -27,6 +28,11 @@ T0 = 1_760_000_000_000
 SAMPLES, PER_WINDOW, WINDOW_MS = 600, 20, 2000
 
 
+# Not in CI yet: its kills now land (each frozen, checked in flight, killed) and the replays
+# match, but with the integrated job of this change the registration of its versions in
+# MLflow stalled in three runs here (the job's own registration and the registrar after it
+# registered 0-10 of 30), on the local broker whose read_committed readers see nothing past
+# an open transaction. Until that is understood, it runs with `make test` (marker slow).
 @pytest.mark.slow
 def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version(
         stack_config, base_model, tmp_path, unique):
@@ -34,9 +40,6 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
 
     from streamtune.registrar import Registrar, RegistrarConfig
 
-    seed = int(time.time())
-    rng = random.Random(seed)
-    print(f"kill schedule seed {seed}")
     topics = job_topics(stack_config.kafka_bootstrap, f"test.eo-{unique}")
     model_id = f"eo-{unique}"
     send_config(stack_config.kafka_bootstrap, topics["configs"],
@@ -45,17 +48,22 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
     closer = [samples[0].model_copy(update={"sample_id": "closer",
                                              "ts": T0 + SAMPLES // PER_WINDOW * WINDOW_MS + WINDOW_MS})]
 
-    def produce():  # a live stream: a window's worth of samples every 2 s of wall time
+    # A window's worth of samples every 2 s, never more than three windows ahead of the versions
+    # emitted: however long a restore takes on a loaded machine, every kill falls mid-stream.
+    # (Back to back, the versions topic would always hold an open transaction, and the local
+    # broker shows read_committed readers nothing past one: the registration would stall.)
+    def produce():
         for i in range(0, SAMPLES, PER_WINDOW):
+            while len(versions(False)) < i // PER_WINDOW - 3:
+                time.sleep(0.5)
             send_samples(stack_config.kafka_bootstrap, topics["feedback"], samples[i:i + PER_WINDOW])
             time.sleep(2.0)
         send_samples(stack_config.kafka_bootstrap, topics["feedback"], closer)
 
-    job = LocalJob(job_args(topics, base_model, tmp_path / "adapters", "--bootstrap", stack_config.kafka_bootstrap,
+    job = LocalJob(job_args(topics, base_model, tmp_path / "adapters", "--bootstrap-server", stack_config.kafka_bootstrap,
                             "--checkpoint-interval-ms", "1000", "--job-name", f"eo-{unique}"),
                    tmp_path / "checkpoints", tmp_path / "job.log")
     producer = threading.Thread(target=produce, daemon=True)
-    producer.start()
     restored_from, replayed = [], set()
     boot = stack_config.kafka_bootstrap
 
@@ -63,39 +71,50 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
         return {v.version_id for v in wait_for_records(boot, topics["versions"], VersionRecord, 0, 0,
                                                         read_committed=read_committed)}
 
+    def in_flight() -> set[str]:
+        """Versions written but not committed. Committed first, then everything: a version in
+        the second read and not the first may have committed in between, never the reverse."""
+        committed = versions(True)
+        return versions(False) - committed
+
+    watcher = EmissionWatcher(boot, topics["versions"])
     job.start()
+    producer.start()
     try:
         emitted = 0
         for kill in range(3):
-            # Kill mid-stream, once this run has emitted a new version (start-up takes ~7 s).
-            fresh = wait_for_records(boot, topics["versions"], VersionRecord, emitted + 1, timeout=90,
+            # Each kill waits until this run has emitted a new version (start-up takes ~7 s).
+            fresh = wait_for_records(boot, topics["versions"], VersionRecord, emitted + 1, timeout=120,
                                      read_committed=False)
             assert len(fresh) > emitted and job.running(), (tmp_path / "job.log").read_text()[-3000:]
-            if kill == 0:  # on purpose between an emission and the checkpoint that would commit it
-                deadline = time.monotonic() + 90
-                # Committed first, then everything: a version in the second read and not the
-                # first may have committed in between, but one in flight always shows. The
-                # check that counts comes after the kill (`in_flight`, `replayed`).
-                while True:
-                    committed = versions(True)
-                    if versions(False) - committed:
-                        break
-                    assert time.monotonic() < deadline, "no version was ever in flight"
-            else:  # at a random point within the next 3 s, while transactions are open
-                time.sleep(rng.uniform(0.0, 3.0))
+            # Every kill falls between an emission and the checkpoint that would commit it: a
+            # watcher sees each new version within ~50 ms, the job is frozen at once (no
+            # checkpoint, no commit can follow) and checked for a written-not-committed version
+            # before the SIGKILL; none, thaw and wait for the next emission.
+            deadline = time.monotonic() + 120
+            while True:
+                watcher.wait_for_next(deadline)
+                job.freeze()
+                if in_flight():
+                    break
+                job.thaw()
+                assert time.monotonic() < deadline, f"kill {kill + 1}: no version was ever in flight"
             job.kill()
             # Written but never committed: the restored job must train these again.
-            in_flight = versions(False) - versions(True)
-            replayed |= in_flight
+            cut_off = in_flight()
+            assert cut_off, f"kill {kill + 1} fell after its versions committed"
+            replayed |= cut_off
             emitted = len(wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False))
             restored = job.restart_from_latest()
             assert restored is not None, f"restart {kill + 1} found no completed checkpoint to restore"
             restored_from.append(restored)
-        producer.join(timeout=120)
+        wait_for_records(boot, topics["versions"], VersionRecord, emitted + 1, timeout=120, read_committed=False)
+        producer.join(timeout=180)
         expected = SAMPLES // PER_WINDOW
         committed = wait_for_records(boot, topics["versions"], VersionRecord, expected, timeout=240)
         assert len({v.version_id for v in committed}) == expected, (tmp_path / "job.log").read_text()[-3000:]
     finally:
+        watcher.close()
         job.kill()
     assert replayed, "no kill fell between an emission and its checkpoint: nothing was replayed"
 
@@ -139,7 +158,6 @@ def test_kill_restore_three_times_every_sample_in_exactly_one_registered_version
         assert mv.tags["streamtune.sha256"] == by_id[mv.tags["streamtune.version_id"]][0].sha256
 
 
-@pytest.mark.slow
 def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_model, tmp_path, unique):
     """Samples of a model whose config has not arrived are held for a grace period of running
     time. A restore after a downtime longer than that period must not dead-letter them before
@@ -157,9 +175,9 @@ def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_mo
     marker = digit_samples(known, digit_pairs(2, seed=7), T0 + 200, 1000)
     marker_closer = digit_samples(known, digit_pairs(1, seed=8), T0 + 10 * WINDOW_MS, 1, id_prefix="closer")
     send_samples(boot, topics["feedback"], held + marker + held_closer + marker_closer)
-    job = LocalJob(job_args(topics, base_model, tmp_path / "adapters", "--bootstrap", boot,
+    job = LocalJob(job_args(topics, base_model, tmp_path / "adapters", "--bootstrap-server", boot,
                             "--checkpoint-interval-ms", "1000", "--unknown-model-grace-seconds", str(grace_s),
-                            # A small backlog leaves the watermark held (README): windows close on
+                            # A small backlog leaves the watermark held (docs/concepts/guarantees.md): windows close on
                             # the idle timer, here window_seconds after a model's last sample, well
                             # inside the grace period.
                             "--idle-close-ms", "0", "--no-register", "--job-name", f"grace-{unique}"),
@@ -183,3 +201,28 @@ def test_restore_gives_a_late_config_its_full_grace_period(stack_config, base_mo
     assert not [d for d in dead if d.model_id == late], [d.detail for d in dead][:3]
     assert trained, (tmp_path / "job.log").read_text()[-3000:]
     assert sorted(trained[0].lineage.sample_ids) == sorted(s.sample_id for s in held)
+
+
+class EmissionWatcher:
+    """A read_uncommitted reader of the versions topic, polling every 20 ms: `wait_for_next`
+    returns as soon as a version is written after everything read so far."""
+
+    def __init__(self, bootstrap: str, topic: str):
+        from kafka import KafkaConsumer, TopicPartition
+
+        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_uncommitted",
+                                      enable_auto_commit=False, fetch_max_wait_ms=20)
+        self.consumer.assign([TopicPartition(topic, 0)])
+        self.consumer.seek_to_beginning()
+
+    def wait_for_next(self, deadline: float) -> None:
+        while self.consumer.poll(timeout_ms=50):  # drain what is already there
+            pass
+        while time.monotonic() < deadline:
+            if any(self.consumer.poll(timeout_ms=50).values()):
+                return
+        raise AssertionError("no new version was emitted before the deadline")
+
+    def close(self) -> None:
+        self.consumer.close()
+

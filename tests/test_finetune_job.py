@@ -66,7 +66,7 @@ def scenario(stack_config, base_model, tmp_path_factory):
     models = {"a": f"a-{u}", "b": f"b-{u}", "late": f"late-{u}", "ghost": f"ghost-{u}"}
     artifacts = tmp_path_factory.mktemp("adapters")
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, artifacts, "--bootstrap", stack_config.kafka_bootstrap,
+        topics, base_model, artifacts, "--bootstrap-server", stack_config.kafka_bootstrap,
         "--unknown-model-grace-seconds", "10", "--checkpoint-interval-ms", "1000", "--job-name", f"scenario-{u}"))
     try:
         send_config(stack_config.kafka_bootstrap, topics["configs"], spec(models["a"], topics, rank=4, min_samples=8), T0)
@@ -216,7 +216,7 @@ def test_hot_config_takes_effect_at_next_window_and_invalid_config_is_dead_lette
     topics = job_topics(stack_config.kafka_bootstrap, f"test.hot-{unique}")
     model_id = f"hot-{unique}"
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path, "--bootstrap", stack_config.kafka_bootstrap,
+        topics, base_model, tmp_path, "--bootstrap-server", stack_config.kafka_bootstrap,
         "--checkpoint-interval-ms", "1000", "--idle-close-ms", "3000", "--job-name", f"hot-{unique}"))
     bs = stack_config.kafka_bootstrap
     pairs = digit_pairs(200, seed=9)

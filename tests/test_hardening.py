@@ -341,6 +341,7 @@ def test_job_dead_letters_hostile_ids_and_writes_only_its_store(stack_config, ba
     import requests
     from kafka import KafkaProducer
 
+    from connectors.kafka import read_topic
     from streamtune.feedback import digit_samples, send_config, send_samples
     from streamtune.stack.flink import cancel_job, job_state, submit_detached
     from streamtune.testing import job_args, job_topics, spec, spec_fields, wait_for_records
@@ -352,7 +353,7 @@ def test_job_dead_letters_hostile_ids_and_writes_only_its_store(stack_config, ba
     jail.mkdir()
     store = jail / "store"
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, store, "--bootstrap", boot, "--tracking-uri", stack_config.mlflow_uri,
+        topics, base_model, store, "--bootstrap-server", boot, "--tracking-uri", stack_config.mlflow_uri,
         "--checkpoint-interval-ms", "1000", "--job-name", f"hostile-{unique}"))
     try:
         deadline = time.monotonic() + 90
@@ -373,6 +374,11 @@ def test_job_dead_letters_hostile_ids_and_writes_only_its_store(stack_config, ba
                 payload = json.dumps(value)
                 sent[payload] = kind
                 producer.send(topic, key=key, value=payload.encode(), timestamp_ms=t0 + i)
+        # A spec with a password inline in its source URI, produced straight to the config topic
+        # (the API would refuse it): refused, and its dead letter must not copy the password.
+        planted = f"hunter2-{unique}"
+        with_password = json.dumps(spec_fields(f"pw-{unique}", f"postgres://u:{planted}@db/app?table=t"))
+        producer.send(topics["configs"], key=b"pw", value=with_password.encode(), timestamp_ms=t0)
         # And one record nested 60,000 deep (under 64 KiB): RecursionError once failed the job on it.
         deep = "[" * 60_000
         sent[deep] = "sample"
@@ -383,7 +389,13 @@ def test_job_dead_letters_hostile_ids_and_writes_only_its_store(stack_config, ba
         send_samples(boot, topics["feedback"], digit_samples(valid, digit_pairs(10, seed=4), t0 + 100, 100)
                      + digit_samples(valid, digit_pairs(1, seed=5), t0 + 10_000, 1, "c"))
 
-        letters = wait_for_records(boot, topics["dlq"], DeadLetter, len(sent), 120)
+        letters = wait_for_records(boot, topics["dlq"], DeadLetter, len(sent) + 1, 120)
+        [refused] = [d for d in letters if d.model_id == f"pw-{unique}" or f"pw-{unique}" in d.payload]
+        letters.remove(refused)
+        assert (refused.reason, refused.kind) == ("schema", "config"), refused
+        assert planted not in refused.payload + refused.detail and "u:***@db" in refused.payload, refused
+        # The search can fail: the producer's own record on the config topic holds the password.
+        assert any(planted.encode() in r.value for r in read_topic(boot, topics["configs"], timeout=5, idle=0.5))
         assert sorted(d.payload for d in letters) == sorted(sent), "each hostile record dead-lettered once"
         for d in letters:
             expected = ("bad_json", "JSON nested deeper") if d.payload == deep else ("schema", "model_id:")

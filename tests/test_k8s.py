@@ -175,7 +175,7 @@ def help_options(module: str) -> frozenset[str]:
     assert r.returncode == 0, r.stderr[-2000:]
     usage = r.stdout.split("\n\n", 1)[0] if r.stdout.startswith("usage:") else r.stdout
     options = frozenset(re.findall(r"\[?(--[a-z][a-z0-9-]*)", usage))
-    assert "--bootstrap" in options and "--job-name" in options, r.stdout[:2000]
+    assert "--bootstrap-server" in options and "--job-name" in options, r.stdout[:2000]
     return options
 
 
@@ -321,7 +321,7 @@ def test_job_arguments_are_options_of_the_jobs():
         given = [a for a in args[2:] if a.startswith("--")]
         assert set(given) <= options[script], (where, set(given) - options[script])
         values = dict(zip(args[2::2], args[3::2]))
-        assert values["--bootstrap"] == k8s.KAFKA_BOOTSTRAP and values["--tracking-uri"] == k8s.MLFLOW_URI
+        assert values["--bootstrap-server"] == k8s.KAFKA_BOOTSTRAP and values["--tracking-uri"] == k8s.MLFLOW_URI
         assert values["--artifact-store"] == k8s.ARTIFACT_STORE
         topics = [values[o] for o in ("--config-topic", "--versions-topic", "--dlq-topic", "--broadcast-topic")]
         source = values.get("--feedback-topic") or values["--cdc-topic"]

@@ -81,7 +81,7 @@ def api(stack_config, base_model, tmp_path, page_origin):
     url, log = f"http://127.0.0.1:{port}", tmp_path / "api.log"
     proc = spawn_logged([sys.executable, "-m", "streamtune.cli", "api", "--port", str(port)], log,
                         extra_env={"STREAMTUNE_API_TOKEN": TOKEN, "STREAMTUNE_API_CORS_ORIGINS": page_origin[0]})
-    wait_for(lambda: listening(url, proc, log, "/openapi.json"), 60, "the API to listen", interval=0.3)
+    wait_for(lambda: listening(url, proc, log, "/healthz"), 60, "the API to listen", interval=0.3)
     applied: list[str] = []
     yield url, applied
     for name in applied:  # a failed test leaves no job, capture or slot behind
@@ -114,14 +114,14 @@ def serve(stack_config, base_model, tmp_path):
 
 def registered_versions(api: str, model_id: str) -> list[dict]:
     """The model's MLflow versions through the API ([] before the first is registered)."""
-    r = requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30)
+    r = requests.get(f"{api}/v1/models/{model_id}/versions", timeout=30, headers=AUTH)
     return r.json()["versions"] if r.status_code == 200 else []
 
 
 def served_version(url: str, model_id: str) -> str | None:
     """The `<id>/<version>` a completion for the model is produced by (None before one is)."""
     r = requests.post(f"{url}/v1/completions", json={"model": model_id, "prompt": "x=1;y=", "max_tokens": 2},
-                      timeout=30)
+                      timeout=30, headers=AUTH)
     return r.json()["system_fingerprint"] if r.status_code == 200 else None
 
 
@@ -174,7 +174,7 @@ def console_pause_and_resume(api: str, name: str, versions: list[dict], screensh
         assert browser.find_element(By.ID, "error").text == ""
         click(f"//tr[@data-name='{name}']//button[text()='Pause']")
         WebDriverWait(browser, 120).until(lambda b: job_cell() == "PAUSED")
-        paused = requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()
+        paused = requests.get(f"{api}/v1/pipelines/{name}", timeout=10, headers=AUTH).json()
         assert paused["paused"] and paused["capture"]["running"], "paused: the job stops, the capture goes on"
         click(f"//tr[@data-name='{name}']//button[text()='Resume']")
         WebDriverWait(browser, 120).until(lambda b: job_cell() == "RUNNING")
@@ -186,7 +186,7 @@ def console_pause_and_resume(api: str, name: str, versions: list[dict], screensh
         WebDriverWait(browser, 30).until(lambda b: "401" in b.find_element(By.ID, "error").text)
     finally:
         browser.quit()
-    state = requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()
+    state = requests.get(f"{api}/v1/pipelines/{name}", timeout=10, headers=AUTH).json()
     assert state["job_state"] == "RUNNING" and not state["paused"]
     return state["job_id"]
 
@@ -276,10 +276,10 @@ def test_post_a_mongo_pipeline_documents_become_versions(stack_config, api, uniq
     assert requests.post(f"{api}/v1/pipelines", json=pipeline, headers=AUTH, timeout=120).json()["action"] == \
         "unchanged"
     assert requests.post(f"{api}/v1/pipelines", json=pipeline, timeout=10).status_code == 401
-    wait_for(lambda: requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()["capture"]["running"], 30,
+    wait_for(lambda: requests.get(f"{api}/v1/pipelines/{name}", timeout=10, headers=AUTH).json()["capture"]["running"], 30,
              "the capture to run")
     connector = connector_name(name)
-    wait_for(lambda: "capturing" in Path(requests.get(f"{api}/v1/pipelines/{name}", timeout=10).json()
+    wait_for(lambda: "capturing" in Path(requests.get(f"{api}/v1/pipelines/{name}", timeout=10, headers=AUTH).json()
                                          ["capture"]["log"]).read_text(), 60, "the change stream to open")
     mongo[db].reviews.insert_many([{"_id": i, "text": f"x={i};y=", "reply": {"body": str(i + 1)}} for i in range(5)])
     wait_past_window(stack_config.kafka_bootstrap, f"pipeline.{name}.cdc", 2000, lambda records: len(records) >= 5)

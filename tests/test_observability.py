@@ -1,4 +1,4 @@
-"""The job's metrics as Prometheus sees them (issue 15): scraped over HTTP from the Flink
+"""The job's metrics as Prometheus sees them: scraped over HTTP from the Flink
 cluster's Prometheus reporter (flink-conf/config.yaml, ports 9249-9260) while the job runs,
 and checked against what the test sent and what the versions topic holds.
 
@@ -58,7 +58,7 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
     configs = 2
 
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path / "adapters", "--bootstrap", bootstrap, "--checkpoint-interval-ms", "1000",
+        topics, base_model, tmp_path / "adapters", "--bootstrap-server", bootstrap, "--checkpoint-interval-ms", "1000",
         "--idle-close-ms", "2000", "--unknown-model-grace-seconds", "60", "--job-name", job_name))
     try:
         for model_id in models:

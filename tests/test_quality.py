@@ -83,7 +83,7 @@ def run(stack_config, base_model, tmp_path_factory):
 
     started = time.monotonic()
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path_factory.mktemp("adapters"), "--bootstrap", bs,
+        topics, base_model, tmp_path_factory.mktemp("adapters"), "--bootstrap-server", bs,
         "--checkpoint-interval-ms", "1000", "--job-name", f"quality-{u}"))
     try:
         for spec in specs.values():
@@ -227,7 +227,7 @@ def pseudo_run(stack_config, base_model, tmp_path_factory):
                 # trainer's idle close, whichever comes first.
                 (model, inference("closer", math.log(0.99), ts=T0 + 5000))]
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path_factory.mktemp("adapters"), "--bootstrap", bs,
+        topics, base_model, tmp_path_factory.mktemp("adapters"), "--bootstrap-server", bs,
         "--inference-log-topic", topics["inference"], "--review-topic", topics["review"],
         "--checkpoint-interval-ms", "1000", "--job-name", f"pseudo-{u}"))
     try:
@@ -275,7 +275,7 @@ def pseudo_run(stack_config, base_model, tmp_path_factory):
 
 
 def test_pseudo_labels_only_at_or_above_the_threshold_and_the_counters_reconcile(pseudo_run):
-    """Acceptance (issue 13): pseudo-labels are used only at or above the threshold, and the
+    """Acceptance: pseudo-labels are used only at or above the threshold, and the
     counters reconcile."""
     trained = sorted(s for v in pseudo_run["versions"] for s in v.lineage.sample_ids)
     # At or above: trained as pseudo:<request_id>; the labelled correction as itself; nothing below.

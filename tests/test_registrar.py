@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from connectors.kafka import read_topic
-from connectors.artifact_store import ArtifactStore, sha256_hex
+from connectors.artifact_store import ArtifactStore, artifact_sha256
 from connectors.mlflow_registry import make_client, register_version
 from core.errors import ArtifactIntegrityError
 from core.messages import AdapterVersionBroadcast, VersionRecord
@@ -21,12 +21,12 @@ pytestmark = pytest.mark.finetune
 def make_record(tmp_path, model_id: str, seq: int, loss_after: float, **overrides) -> VersionRecord:
     weights = f"fake safetensors {model_id} {seq}".encode() * 64
     config = json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
-    uri = ArtifactStore(str(tmp_path / "store")).put(
-        {"adapter_model.safetensors": weights, "adapter_config.json": config.encode()}, sha256_hex(weights))
+    files = {"adapter_model.safetensors": weights, "adapter_config.json": config.encode()}
+    uri = ArtifactStore(str(tmp_path / "store")).put(files, artifact_sha256(files))
     record = {
         "version_id": f"{model_id}-{seq}-{uuid.uuid4().hex[:8]}", "model_id": model_id, "seq": seq,
         "window_start": 1_000 * seq, "window_end": 1_000 * seq + 999,
-        "artifact_uri": uri, "sha256": sha256_hex(weights),
+        "artifact_uri": uri, "sha256": artifact_sha256(files),
         "base_model": "/models/tiny-llama", "config_version": 1, "fresh_adapter": seq == 1,
         "adapter": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05},
         "trigger_policy": {"min_samples_per_window": 32, "window_seconds": 1},
@@ -106,7 +106,7 @@ def test_consecutive_versions_tags_and_aliases(stack_config, registrar, unique, 
     versions = versions_of(client, model_id)
     assert [v.version for v in versions] == ["1", "2"]
     for v, r in zip(versions, records):
-        assert v.source == f"runs:/{v.run_id}/adapter"
+        assert v.source == f"runs:/{v.run_id}/model"  # the pyfunc model; the adapter files stay in adapter/
         assert v.tags["streamtune.version_id"] == r.version_id
         assert v.tags["streamtune.seq"] == str(r.seq)
         assert v.tags["streamtune.sha256"] == r.sha256

@@ -87,7 +87,7 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
     if not live:
         produce.run()
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path / name, "--bootstrap", boot, "--parallelism", str(parallelism),
+        topics, base_model, tmp_path / name, "--bootstrap-server", boot, "--parallelism", str(parallelism),
         "--checkpoint-interval-ms", "1000", "--no-register", "--job-name", f"scale-{name}-{workload['u']}"))
     try:
         if live:
@@ -110,7 +110,10 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
             trained = {i for v in versions.values() for i in v.lineage.sample_ids}
             return versions if trained >= expected else None
 
-        versions = wait_for(all_trained, 600, "every sample in a committed version", interval=3)
+        try:
+            versions = wait_for(all_trained, 600, "every sample in a committed version", interval=3)
+        except AssertionError as timeout:
+            raise AssertionError(f"{timeout}; {_why_stuck(stack_config, job, boot, topics, expected)}") from None
         counters = job_counters(stack_config.flink_rest_url, job)
     finally:
         cancel_job(stack_config, job)
@@ -119,6 +122,22 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
     for v in sorted(versions.values(), key=lambda v: (v.model_id, v.seq)):
         by_model.setdefault(v.model_id, []).append(v)
     return {"job": job, "versions": by_model, "every_copy": every_copy, "counters": counters}
+
+
+def _why_stuck(stack_config, job: str, boot: str, topics: dict, expected: set[str]) -> str:
+    """What a timed-out run looked like: the job's state, its restarts and last exception, the
+    TaskManagers, and how far training got (committed and written versions)."""
+    rest = stack_config.flink_rest_url
+    details = requests.get(f"{rest}/jobs/{job}", timeout=5).json()
+    exceptions = requests.get(f"{rest}/jobs/{job}/exceptions", timeout=5).json()
+    history = exceptions.get("exceptionHistory", {}).get("entries", [])
+    committed = committed_versions(boot, topics["versions"])
+    written = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False)
+    trained = {i for v in committed.values() for i in v.lineage.sample_ids}
+    return (f"job {details.get('state')}, {len(history)} failures (last: "
+            f"{(history[0].get('exceptionName'), history[0].get('stacktrace', '')[:600]) if history else None}), "
+            f"{_registered_taskmanagers(stack_config)} TaskManagers, {len(committed)} versions committed and "
+            f"{len(written)} written, {len(trained & expected)}/{len(expected)} samples trained")
 
 
 def committed_versions(bootstrap: str, topic: str) -> dict[str, VersionRecord]:
@@ -183,7 +202,6 @@ def _taskmanagers_of(stack_config, job: str) -> set[str]:
     return hosts
 
 
-@pytest.mark.slow
 def test_parallelism_4_on_two_taskmanagers_gives_the_versions_of_parallelism_1(
         stack_config, base_model, tmp_path, workload, two_taskmanagers, request):
     spread = {}
@@ -200,6 +218,9 @@ def test_parallelism_4_on_two_taskmanagers_gives_the_versions_of_parallelism_1(
     assert run["counters"].get("lora-trainer.windows_closed_idle", 0) == 0, "the watermark closed every window"
 
 
+# Not in CI yet: it passed here in 130 s before this change's other work was integrated, then
+# in the integrated run its restored job was still training 7 minutes after the kill (40 of
+# 443 checkpoints failed). Until that is understood it runs with `make test` (marker slow).
 @pytest.mark.slow
 def test_taskmanager_killed_mid_stream_at_parallelism_4_gives_the_same_versions(
         stack_config, base_model, tmp_path, workload, two_taskmanagers, request):
@@ -216,9 +237,11 @@ def test_taskmanager_killed_mid_stream_at_parallelism_4_gives_the_same_versions(
         victim = flink.taskmanager_pids()[-1]
         os.kill(victim, signal.SIGKILL)
         landed["received"] = received
-        # The survivor's slots free up only once the old tasks' Python workers have stopped:
-        # 2 min of NoResourceAvailableException once on two loaded cores (2026-12-03).
-        wait_for(lambda: _restarted_from_checkpoint(stack_config, job), 400, "the job to restore a checkpoint")
+        # A supervisor (Kubernetes, systemd) starts the lost TaskManager again. Without it the
+        # restore waits for the survivor's slots, which free up only once the cancelled tasks'
+        # Python workers have stopped: minutes on two loaded cores, once past a 400 s wait.
+        flink.start_taskmanager()
+        wait_for(lambda: _restarted_from_checkpoint(stack_config, job), 300, "the job to restore a checkpoint")
 
     # A slower stream (about 30 s): the kill must fall while it still flows, on two loaded cores.
     run = run_job(stack_config, base_model, tmp_path, workload, "p4kill", PARTITIONS, live=True, during=kill_one,
@@ -261,14 +284,14 @@ def test_a_model_whose_data_stops_gets_its_last_version_within_the_bound(stack_c
     boot, model_id = stack_config.kafka_bootstrap, f"quiet-{unique}"
     topics = job_topics(boot, f"test.quiet-{unique}")
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path, "--bootstrap", boot, "--checkpoint-interval-ms", "1000", "--no-register",
+        topics, base_model, tmp_path, "--bootstrap-server", boot, "--checkpoint-interval-ms", "1000", "--no-register",
         "--idle-close-ms", "3000", "--job-name", f"quiet-{unique}"))
     window_s, idle_s, checkpoint_s = 4, 3, 1
     try:
         wait_for(lambda: _all_subtasks_running(stack_config, job), 120, "every subtask to run", interval=0.5)
         # A Python function opens on its first record (Beam builds the bundle processor then),
         # and the trainer's open loads the base model: about 5 s here, which the first sample of
-        # a new job waits (README). The config is that first record; the trainer's gauges
+        # a new job waits (docs/guides/scaling.md). The config is that first record; the trainer's gauges
         # appear once it has opened.
         send_config(boot, topics["configs"], spec(model_id, topics, min_samples=4, window_seconds=window_s),
                     int(time.time() * 1000))
@@ -294,7 +317,7 @@ def test_a_model_whose_data_stops_gets_its_last_version_within_the_bound(stack_c
     trained = {i for v in wait_for_records(boot, topics["versions"], VersionRecord, 0, 0) for i in v.lineage.sample_ids}
     assert trained == {s.sample_id for s in samples}, "every sample trained, the last window's too"
     assert closed_idle >= 1 and last.trigger == "window"
-    # The documented bound (README, "Models whose data stops"): the window and the idle timer
+    # The documented bound (docs/guides/scaling.md, "Models whose data stops"): the window and the idle timer
     # after the last sample, then the next checkpoint, one interval later. The slack is the
     # step itself (0.6-0.8 s here) and the checkpoint's own duration.
     slack_s = 2
@@ -322,7 +345,6 @@ def first_committed(bootstrap: str, topic: str, predicate, timeout: float) -> Ve
         consumer.close()
 
 
-@pytest.mark.slow
 def test_100_models_in_one_job_all_train_within_the_adapter_bound(stack_config, base_model, tmp_path, unique):
     """100 model_ids on one trainer with --max-live-adapters 16: every model trains, and the
     trainer holds at most 16 adapters (weights + optimizer) at any sampled moment."""
@@ -339,7 +361,7 @@ def test_100_models_in_one_job_all_train_within_the_adapter_bound(stack_config, 
                      key=lambda s: s.ts)
     send_samples(boot, topics["feedback"], samples)
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path, "--bootstrap", boot, "--checkpoint-interval-ms", "1000", "--no-register",
+        topics, base_model, tmp_path, "--bootstrap-server", boot, "--checkpoint-interval-ms", "1000", "--no-register",
         "--idle-close-ms", "3000", "--max-live-adapters", str(bound), "--job-name", f"many-{unique}"))
     held = []
     try:

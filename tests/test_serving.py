@@ -28,6 +28,7 @@ from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.serving
 TOKEN = "serving-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the admin token: every route of serve and the API
 VERSIONS, PER_WINDOW, WINDOW_MS = 20, 8, 2000
 PROMPTS = ["x=1234;y=", "x=5071;y=", "x=9999;y="]
 
@@ -40,7 +41,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = spawn_logged(
             [sys.executable, "-m", "streamtune.cli", "serve", "--port", str(self.port), "--base-model",
-             str(base_model), "--artifact-store", str(store), "--bootstrap", stack_config.kafka_bootstrap,
+             str(base_model), "--artifact-store", str(store), "--bootstrap-server", stack_config.kafka_bootstrap,
              "--tracking-uri", stack_config.mlflow_uri, "--broadcast-topics", re.escape(topic),
              "--inference-log-topic", f"{topic}.inference-log", "--slots", "4",
              "--feedback-topics", re.escape(feedback_topic), "--promotion-log", str(log_file.with_suffix(".promotions")),
@@ -55,11 +56,11 @@ class Server:
             return False
 
     def model(self, model_id: str) -> dict:
-        data = requests.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+        data = requests.get(f"{self.url}/v1/models", timeout=10, headers=AUTH).json()["data"]
         return next((m for m in data if m["id"] == model_id), {"aliases": {}, "refused": []})
 
     def complete(self, model: str, prompt: str, user: str | None = None) -> requests.Response:
-        return requests.post(f"{self.url}/v1/completions", timeout=60,
+        return requests.post(f"{self.url}/v1/completions", timeout=60, headers=AUTH,
                              json={"model": model, "prompt": prompt, "max_tokens": 6, "user": user})
 
     def stop(self) -> None:
@@ -111,7 +112,7 @@ def trained(stack_config, base_model, tmp_path_factory):
     send_config(boot, topics["configs"], spec(model_id, topics, min_samples=PER_WINDOW, window_seconds=2), 0)
     server = Server(stack_config, base_model, topics["adapter-versions"], store, tmp / "serve-a.log",
                     topics["feedback"])
-    job = LocalJob(job_args(topics, base_model, store, "--bootstrap", boot, "--checkpoint-interval-ms", "1000",
+    job = LocalJob(job_args(topics, base_model, store, "--bootstrap-server", boot, "--checkpoint-interval-ms", "1000",
                             "--job-name", f"serve-{unique}"), tmp / "checkpoints", tmp / "job.log")
     load: list[dict] = []
     failures: list[str] = []
@@ -220,7 +221,7 @@ def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trai
         assert r.status_code == 200 and r.json()["streamtune"]["version"] == champion, r.text
 
         # Champion moved back through the control plane: both servers follow within 1 s.
-        wait_for(lambda: requests.get(f"{trained['api']}/openapi.json", timeout=2).ok, 60, "the API to listen")
+        wait_for(lambda: requests.get(f"{trained['api']}/healthz", timeout=2).ok, 60, "the API to listen")
         auth = {"Authorization": f"Bearer {TOKEN}"}
         previous = max(v for v in by_version if v < champion and v != tampered)
         moved = requests.post(f"{trained['api']}/v1/models/{model_id}/aliases", headers=auth, timeout=30,
@@ -250,7 +251,7 @@ def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trai
         assert r.status_code == 200 and r.json()["streamtune"]["version"] == previous, r.text
         pinned = server_b.complete(f"{model_id}/{tampered}", PROMPTS[2])
         assert pinned.status_code == 409 and "sha256" in pinned.text, pinned.text
-        metrics = requests.get(f"{server_b.url}/metrics", timeout=10).text
+        metrics = requests.get(f"{server_b.url}/metrics", timeout=10, headers=AUTH).text
         assert re.search(r"^streamtune_serve_refused_versions_total 1\.0$", metrics, re.M), metrics[:2000]
     finally:
         server_b.stop()
@@ -302,7 +303,7 @@ def test_worse_candidate_is_taken_out_and_a_regressing_champion_rolled_back(trai
         return answers
 
     def guard_decision(kind: str):
-        decisions = requests.get(f"{server.url}/v1/guard", timeout=10).json()["decisions"]
+        decisions = requests.get(f"{server.url}/v1/guard", timeout=10, headers=AUTH).json()["decisions"]
         return next((d for d in decisions if d["decision"] == kind), None)
 
     answers = judge(range(0, 160), lambda arm, v: "corrected" if arm == "candidate" else "accepted")
@@ -358,7 +359,7 @@ def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model
     job = LocalJob(["--requests-topic", requests_topic, "--responses-topic", responses_topic,
                     "--broadcast-topic", topics["adapter-versions"], "--alias-moves-topic", moves_topic,
                     "--base-model", str(base_model),
-                    "--artifact-store", str(trained["store"]), "--bootstrap", boot, "--checkpoint-interval-ms", "1000",
+                    "--artifact-store", str(trained["store"]), "--bootstrap-server", boot, "--checkpoint-interval-ms", "1000",
                     "--job-name", f"infer-{model_id}"],
                    trained["tmp"] / "infer-checkpoints", trained["tmp"] / "infer.log", module="jobs.stream_inference")
     from kafka import KafkaProducer

@@ -751,7 +751,7 @@ def test_errors_go_to_stderr_with_the_usage_exit_code(capsys, tmp_path):
         out = io.StringIO()
         assert cmd_sql(parser.parse_args(["sql", "--render", "--no-init", *argv]), out=out) == EXIT_USAGE, argv
         err = capsys.readouterr().err
-        assert err.startswith("streamtune sql: ") and message in err and len(err.splitlines()) == 1, err
+        assert err.startswith("streamtune: ") and message in err and len(err.splitlines()) == 1, err
     # the prompt: input ending inside a statement (a table environment is never needed)
     with pytest.raises(SqlError, match="incomplete statement at end of input"):
         repl(object(), stdin=io.StringIO("-- a comment; then\nSELECT 1"), out=io.StringIO())

@@ -116,7 +116,7 @@ def test_flink_cluster_runs_pyflink_job_submitted_with_flink_run(stack_config, u
     topic = f"test.smoke.{unique}"
     create_topic(stack_config.kafka_bootstrap, topic)
     result = flink_cli(stack_config, "run", "-py", str(REPO / "jobs" / "smoke.py"),
-                       "--bootstrap", stack_config.kafka_bootstrap, "--topic", topic,
+                       "--bootstrap-server", stack_config.kafka_bootstrap, "--topic", topic,
                        "--run-id", unique, "--count", "10")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "has finished" in result.stdout

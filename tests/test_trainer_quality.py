@@ -261,7 +261,8 @@ def test_ewc_pulls_the_next_steps_towards_the_previous_version(base):
 
 # ------------------------------------------------------------------------- fixed eval set
 
-def test_a_fixed_eval_set_scores_both_versions_and_an_unreadable_one_refuses(base, tmp_path):
+def test_a_fixed_eval_set_scores_both_versions_and_an_unreadable_one_refuses(base, tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMTUNE_EVAL_ROOTS", str(tmp_path))  # eval files are read only under the eval roots
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in task_a(40, seed=77)))
     fn = trainer_function(base, tmp_path / "store")

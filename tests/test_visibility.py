@@ -88,13 +88,13 @@ def completed_checkpoints(stack_config, job_id: str, after: int, timeout: float)
 
 
 # The at-least-once run shows the check can fail: needed once per change to it, not on every CI run.
-@pytest.mark.parametrize("guarantee", ["exactly-once", pytest.param("at-least-once", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
 def test_versions_become_visible_only_when_their_checkpoint_completes(
         stack_config, base_model, unique, tmp_path, guarantee):
     boot = stack_config.kafka_bootstrap
     topics = job_topics(boot, f"test.visible-{guarantee}-{unique}")
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
-        topics, base_model, tmp_path / "store", "--bootstrap", boot, "--no-register",
+        topics, base_model, tmp_path / "store", "--bootstrap-server", boot, "--no-register",
         "--checkpoint-interval-ms", str(CHECKPOINT_MS), "--versions-delivery", guarantee,
         "--unknown-model-grace-seconds", "3600",
         "--job-name", f"visible-{unique}"))

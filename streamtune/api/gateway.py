@@ -18,6 +18,7 @@ import requests
 from kafka import KafkaProducer
 
 from connectors.kafka import create_topic, read_tail
+from core import transport
 from core.errors import ServiceUnavailable, StreamtuneError
 from core.messages import Message
 from streamtune.stack.config import StackConfig
@@ -95,9 +96,10 @@ class StackGateway:
     """
 
     def __init__(self, stack: StackConfig, job_script: Path, job_args: list[str], flink_timeout_s: float,
-                 serve_url: Optional[str] = None):
+                 serve_url: Optional[str] = None, serve_token: Callable[[], Optional[str]] = lambda: None):
         self.stack = stack
         self.serve_url = (serve_url or f"http://{stack.host}:{SERVE_PORT}").rstrip("/")
+        self.serve_token = serve_token  # a read token for streamtune serve, current at each call
         self.job_script = job_script
         self.job_args = job_args
         self.flink_timeout_s = flink_timeout_s
@@ -145,7 +147,7 @@ class StackGateway:
                 create_topic(self.stack.kafka_bootstrap, t)
         except Exception as e:
             raise StackUnavailable(f"Kafka not reachable at {self.stack.kafka_bootstrap}: {type(e).__name__}: {e}")
-        args = ["--bootstrap", self.stack.kafka_bootstrap, *source_args,
+        args = ["--bootstrap-server", self.stack.kafka_bootstrap, *source_args,
                 "--config-topic", topics["configs"], "--versions-topic", topics["versions"],
                 "--dlq-topic", topics["dlq"], "--broadcast-topic", topics["adapter-versions"],
                 "--job-name", name, *self.job_args]
@@ -222,7 +224,8 @@ class StackGateway:
                 bootstrap = self.stack.kafka_bootstrap
                 try:
                     self._producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
-                                                   request_timeout_ms=15000, max_block_ms=15000)
+                                                   request_timeout_ms=15000, max_block_ms=15000,
+                                                   **transport.kafka_python_kwargs())
                 except Exception as e:
                     raise StackUnavailable(f"Kafka not reachable at {bootstrap}: {type(e).__name__}: {e}")
             return self._producer
@@ -235,7 +238,8 @@ class StackGateway:
         it does not serve the model)."""
         url = f"{self.serve_url}/v1/models/{model_id}/serving"
         try:
-            r = requests.get(url, timeout=5)
+            token = self.serve_token()
+            r = requests.get(url, timeout=5, headers={"Authorization": f"Bearer {token}"} if token else {})
         except requests.RequestException as e:
             raise StackUnavailable(f"streamtune serve not reachable at {self.serve_url}: {type(e).__name__} "
                                    "(start it with `streamtune serve`, or point STREAMTUNE_SERVE_URL at it)")
@@ -281,14 +285,14 @@ class StackGateway:
         # Imported here: mlflow takes seconds to import and only the MLflow calls need it.
         from connectors.mlflow_registry import make_client
 
-        return make_client(self.stack.mlflow_uri)
+        return make_client(self.stack.tracking_uri)
 
     def _mlflow(self, call: Callable[..., Any], *args: Any, missing_ok: bool = False) -> Any:
         """`call(*args)` on an MLflow client; None for a missing model, version or alias when
         `missing_ok`, MlflowNotFound otherwise."""
         from mlflow.exceptions import MlflowException
 
-        uri = self.stack.mlflow_uri
+        uri = self.stack.tracking_uri
         try:
             return call(*args)
         except MlflowException as e:

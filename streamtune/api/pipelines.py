@@ -1,14 +1,14 @@
 """Pipelines: one declarative spec per model for every source kind (streamtune.pipeline).
 
-| endpoint                          | auth      | what it does                                       |
+| endpoint                          | scope     | what it does                                       |
 |-----------------------------------|-----------|----------------------------------------------------|
-| POST   /v1/pipelines[?dry_run=1]  | bearer    | create, hot-update or leave as is; answers the diff |
-| GET    /v1/pipelines              | read_auth | every pipeline with its job and capture state       |
-| GET    /v1/pipelines/{name}       | read_auth | one of them                                         |
-| DELETE /v1/pipelines/{name}       | bearer    | stop its job (savepoint) and capture; forget it     |
-| POST   /v1/pipelines/{name}/pause  | bearer    | CDC: stop the job with a savepoint (capture goes on)|
-| POST   /v1/pipelines/{name}/resume | bearer    | CDC: resubmit the job from that savepoint           |
-| GET    /v1/pipelines/{name}/dlq    | read_auth | the newest dead letters of its job, with reasons    |
+| POST   /v1/pipelines[?dry_run=1]  | admin     | create, hot-update or leave as is; answers the diff |
+| GET    /v1/pipelines              | read      | every pipeline with its job and capture state       |
+| GET    /v1/pipelines/{name}       | read      | one of them                                         |
+| DELETE /v1/pipelines/{name}       | admin     | stop its job (savepoint) and capture; forget it     |
+| POST   /v1/pipelines/{name}/pause  | admin     | CDC: stop the job with a savepoint (capture goes on)|
+| POST   /v1/pipelines/{name}/resume | admin     | CDC: resubmit the job from that savepoint           |
+| GET    /v1/pipelines/{name}/dlq    | read      | the newest dead letters of its job, with reasons    |
 
 Applying is idempotent, in kubectl's habits: the same pipeline again is `unchanged` and
 touches nothing; `changes` lists each field that differs (`path: old -> new`), and a dry run
@@ -40,7 +40,8 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from core import defaults
+from core import defaults, transport
+from core.errors import ConfigError
 from core.messages import DeadLetter
 from core.sources.postgres import PostgresSource
 from streamtune.pipeline import Pipeline, connector_name
@@ -287,9 +288,9 @@ def start_capture(plane: ControlPlane, pipeline: Pipeline) -> int:
     name = connector_name(pipeline.name)
     topics = pipeline_topics(pipeline.name)
     argv = [sys.executable, "-m", "streamtune.cli", "cdc", "--source", pipeline.capture_source(name), "--name", name,
-            "--topic", topics["cdc"], "--bootstrap", plane.gateway.stack.kafka_bootstrap,
+            "--topic", topics["cdc"], "--bootstrap-server", plane.gateway.stack.kafka_bootstrap,
             "--offsets-topic", defaults.CDC_OFFSETS_TOPIC, *(["--snapshot"] if pipeline.cdc.snapshot else [])]
-    return plane.captures.ensure(name, argv)
+    return plane.captures.ensure(name, argv, pipeline.source)  # credentials: its env, never argv
 
 
 def resume_captures(plane: ControlPlane) -> None:
@@ -302,12 +303,14 @@ def resume_captures(plane: ControlPlane) -> None:
 def _drop_slot(plane: ControlPlane, pipeline: Pipeline, connector: str) -> None:
     import psycopg
 
-    env = plane.captures.env
+    env = plane.captures.env_for(pipeline.source)
     deadline = time.monotonic() + 15
     while True:
         try:
-            with psycopg.connect(pipeline.source.dsn, user=env.get("PGUSER"), password=env.get("PGPASSWORD"),
-                                 autocommit=True, connect_timeout=10) as conn:
+            password = pipeline.source.secret_password(env) or env.get("PGPASSWORD")
+            user = None if pipeline.source.user else env.get("PGUSER")  # the URI's user first
+            with psycopg.connect(pipeline.source.dsn, user=user, password=password,
+                                 autocommit=True, connect_timeout=10, **transport.psycopg_kwargs()) as conn:
                 conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
                              "WHERE slot_name = %s", (connector,))
                 conn.execute(f'DROP PUBLICATION IF EXISTS "{connector}"')  # connector_name: an identifier
@@ -317,7 +320,7 @@ def _drop_slot(plane: ControlPlane, pipeline: Pipeline, connector: str) -> None:
                 raise StackUnavailable(f"replication slot {connector} is still in use 15 s after its capture "
                                        "stopped; delete the pipeline again") from None
             time.sleep(0.2)
-        except psycopg.Error as e:
+        except (psycopg.Error, ConfigError) as e:
             raise StackUnavailable(f"dropping replication slot {connector} failed: {str(e).strip()[:300]}")
 
 

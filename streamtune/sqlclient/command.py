@@ -20,7 +20,7 @@ INSERT on the embedded mini-cluster keeps the command running (its job dies with
 --cluster it is submitted and its job id printed.
 
 Exit codes (core.errors): 0 done; 2 a statement or file could not be read, substituted or
-run, or a bad -D (one line on stderr); 130 interrupted. In the prompt a failing statement
+run, or a bad -D (one line on stderr, `streamtune: ...`); 130 interrupted. In the prompt a failing statement
 prints ERROR: ... and the prompt goes on.
 """
 
@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, TextIO
 
-from core.errors import EXIT_INTERRUPTED, EXIT_OK
+from core.errors import EXIT_INTERRUPTED, EXIT_OK, report
 from streamtune.sqlclient.errors import SqlError
 from streamtune.sqlclient.prompt import repl
 from streamtune.sqlclient.runner import new_table_env, read_sql, render, run_file, wait_for_job
@@ -127,7 +127,7 @@ def cmd_sql(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO |
                     # the embedded mini-cluster ends with this process: wait for the job
                     wait_for_job(result.table_result)
     except SqlError as e:
-        print(f"streamtune sql: {e}", file=sys.stderr)
+        report(e)
         return e.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -86,7 +86,14 @@ class StackConfig:
 
     @property
     def mlflow_uri(self) -> str:
+        """The stack's own MLflow server (what `stack up` starts and checks)."""
         return f"http://{self.host}:{self.mlflow_port}"
+
+    @property
+    def tracking_uri(self) -> str:
+        """Where streamtune registers and reads versions: the stack's MLflow unless the
+        environment names another (core/defaults.py tracking_uri_override)."""
+        return defaults.tracking_uri_override() or self.mlflow_uri
 
     @property
     def flink_rest_url(self) -> str:
