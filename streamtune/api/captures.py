@@ -49,6 +49,14 @@ class _Capture:
 EnvFor = Callable[[Optional[SourceKind]], dict[str, str]]
 
 
+def _credentials(env: dict[str, str], source: Optional[SourceKind]) -> dict[str, str]:
+    """What of a capture's environment reaches its database: libpq's PG* variables and the
+    source's own secret reference. The rest of the API's environment may change while it runs
+    (libraries set variables) and must not restart a capture."""
+    secret = getattr(source, "password_env", None)
+    return {k: v for k, v in env.items() if k.startswith("PG") or k == secret}
+
+
 class CaptureSupervisor:
     """`env`: one environment for every capture, or `env_for(source)`, the environment of a
     capture of `source` (None: no particular source)."""
@@ -68,7 +76,8 @@ class CaptureSupervisor:
         env = self.env_for(source)
         with self._lock:
             current = self._captures.get(name)
-            if current is not None and current.argv == argv and current.env == env and _alive(current.proc):
+            if (current is not None and current.argv == argv and _credentials(current.env, source) == _credentials(env, source)
+                    and _alive(current.proc)):
                 return current.proc.pid
             if current is not None:
                 _terminate(current.proc)
