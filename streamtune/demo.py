@@ -65,8 +65,9 @@ def champion_exact_match(config: StackConfig, model_id: str, base_dir: Path, hel
     baseline = exact_match(base, tokenizer, held_out)
     mlflow.set_tracking_uri(config.mlflow_uri)
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}@champion", dst_path=tmp)
-        tuned = PeftModel.from_pretrained(base, adapter)
+        model_dir = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}@champion", dst_path=tmp)
+        # The version's source is its MLflow pyfunc model; the PEFT files are its `adapter` artifact.
+        tuned = PeftModel.from_pretrained(base, Path(model_dir) / "artifacts" / "adapter")
         return baseline, exact_match(tuned, tokenizer, held_out)
 
 

@@ -53,7 +53,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 model_id, base = sys.argv[1], sys.argv[2]
 with tempfile.TemporaryDirectory() as tmp:
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}@champion", dst_path=tmp))
+    model_dir = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_id}@champion", dst_path=tmp))
+    local = model_dir / "artifacts" / "adapter"  # the PEFT files inside the version's MLflow model
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), local)
     print(json.dumps({"sha256": hashlib.sha256((local / "manifest.json").read_bytes()).hexdigest(),
                       "lora_tensors": sum("lora_" in n for n, _ in model.named_parameters())}))
