@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,13 +109,22 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _wait_port_free(port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _port_in_use(port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 @pytest.mark.parametrize("doc", ["README.md", "docs/getting-started.md"])
 def test_runnable_blocks_run_against_the_local_stack(doc, tmp_path):
     markdown = (REPO / doc).read_text()
     script = runnable_script(markdown)
     assert len(RUNNABLE.findall(markdown)) >= 3, f"{doc} lost its runnable blocks"
-    if "--port 8000" in script and _port_in_use(8000):
-        pytest.skip("port 8000 is taken: the blocks start `streamtune api` there, as a reader would")
+    if "--port 8000" in script:  # the blocks start `streamtune api` there, as a reader would
+        assert _wait_port_free(8000, 30), "port 8000 is taken by another process"
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
     for name in ("STREAMTUNE_API_TOKEN", "STREAMTUNE_API_URL"):
         env.pop(name, None)
@@ -131,6 +141,12 @@ def test_runnable_blocks_run_against_the_local_stack(doc, tmp_path):
             os.killpg(proc.pid, signal.SIGTERM)  # servers the blocks left in the background
         except ProcessLookupError:
             pass
+        if not _wait_port_free(8000, 20):  # the API stops within its shutdown grace, or is killed
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_port_free(8000, 10)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in tmp_path.glob("*.log"))
     assert proc.returncode == 0, f"{doc}: runnable blocks failed:\n{out[-4000:]}{logs}"
     assert '"dry_run": true' in out, out[-2000:]
