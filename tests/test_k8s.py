@@ -479,6 +479,25 @@ def test_shared_addresses_agree():
     assert api_env["STREAMTUNE_HOST"] == f"{k8s.SESSION_CLUSTER}-rest"  # the REST Service Flink creates
 
 
+def test_api_deployment_reaches_each_service_at_its_own_address():
+    """The API's environment as rendered (the shared ConfigMap, then its own variables) gives
+    the stack settings it runs with: Kafka, MLflow and Flink each at its own Service."""
+    from streamtune.stack.config import StackConfig
+
+    objects = kustomize("base")
+    api = next(o for o in objects if o["metadata"]["name"] == "streamtune-api" and o["kind"] == "Deployment")
+    container = containers(api)[0]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        env.update(next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == name)["data"])
+    env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    stack = StackConfig.from_env(env)
+    assert stack.kafka_bootstrap == k8s.KAFKA_BOOTSTRAP
+    assert stack.tracking_uri == k8s.MLFLOW_URI
+    assert stack.flink_rest_url == f"http://{k8s.SESSION_CLUSTER}-rest:8081"
+
+
 def test_secrets_by_reference_only():
     objects = [o for t in TARGETS for o in kustomize(t)]
     objects += [o for kind in ("postgres", "kafka", "mongo") for o in rendered(kind)]

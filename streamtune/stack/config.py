@@ -11,6 +11,7 @@
 | mlflow_port     | STREAMTUNE_MLFLOW_PORT       | 5000                                         |
 | flink_rest_port | STREAMTUNE_FLINK_REST_PORT   | 8081                                         |
 | flink_rpc_port  | STREAMTUNE_FLINK_RPC_PORT    | 6123                                         |
+| kafka_address   | STREAMTUNE_KAFKA_BOOTSTRAP   | <host>:<kafka_port>                          |
 
 The home holds pid files, logs and the rendered Flink configuration; the data dir holds
 PostgreSQL, MongoDB, MLflow artifacts and Flink checkpoints. The home defaults outside
@@ -28,6 +29,10 @@ from pathlib import Path
 from core import defaults
 
 
+# Fields read from a variable other than STREAMTUNE_<FIELD>: the names core/defaults.py reads.
+ENV_NAMES = {"kafka_address": "STREAMTUNE_KAFKA_BOOTSTRAP", "tracking_address": "STREAMTUNE_MLFLOW_URI"}
+
+
 @dataclass(frozen=True)
 class StackConfig:
     home: Path
@@ -41,6 +46,11 @@ class StackConfig:
     flink_rpc_port: int = 6123
     postgres_user: str = "streamtune"
     postgres_password: str = "streamtune"
+    # Kafka where it is not on `host` (a Kubernetes Service of its own): what clients connect to.
+    kafka_address: str = ""
+    # MLflow where versions are registered, when not the stack's own (STREAMTUNE_MLFLOW_URI,
+    # else MLFLOW_TRACKING_URI: core/defaults.py tracking_uri_override).
+    tracking_address: str = ""
 
     def __post_init__(self) -> None:
         ports = [self.kafka_port, self.postgres_port, self.mongo_port, self.mlflow_port,
@@ -59,10 +69,11 @@ class StackConfig:
         for f in fields(cls):
             raw = overrides.get(f.name)
             if raw is None:
-                raw = env.get(f"STREAMTUNE_{f.name.upper()}")
+                raw = env.get(ENV_NAMES.get(f.name, f"STREAMTUNE_{f.name.upper()}"))
             if raw is None:
                 continue
             values[f.name] = int(raw) if f.type == "int" else raw
+        values.setdefault("tracking_address", defaults.tracking_uri_override(env) or "")
         home = Path(values.pop("home", None) or defaults.home({})).expanduser().resolve()
         data_dir = Path(values.pop("data_dir", None) or home / "data").expanduser().resolve()
         return cls(home=home, data_dir=data_dir, **values)
@@ -70,7 +81,16 @@ class StackConfig:
     # Addresses other code (jobs, tests, the CLI) connects to.
     @property
     def kafka_bootstrap(self) -> str:
-        return f"{self.host}:{self.kafka_port}"
+        """Kafka as clients reach it: STREAMTUNE_KAFKA_BOOTSTRAP (the name jobs and commands
+        read too, core/defaults.py), else the stack's own broker on host:kafka_port.
+
+        >>> StackConfig.from_env({"STREAMTUNE_HOME": "/tmp/h"}).kafka_bootstrap
+        '127.0.0.1:9092'
+        >>> StackConfig.from_env({"STREAMTUNE_HOME": "/tmp/h", "STREAMTUNE_HOST": "flink-rest",
+        ...                       "STREAMTUNE_KAFKA_BOOTSTRAP": "kafka:9092"}).kafka_bootstrap
+        'kafka:9092'
+        """
+        return self.kafka_address or f"{self.host}:{self.kafka_port}"
 
     @property
     def postgres_dsn(self) -> str:
@@ -93,7 +113,7 @@ class StackConfig:
     def tracking_uri(self) -> str:
         """Where streamtune registers and reads versions: the stack's MLflow unless the
         environment names another (core/defaults.py tracking_uri_override)."""
-        return defaults.tracking_uri_override() or self.mlflow_uri
+        return self.tracking_address or self.mlflow_uri
 
     @property
     def flink_rest_url(self) -> str:

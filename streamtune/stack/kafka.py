@@ -28,13 +28,18 @@ class Kafka(Component):
     startup_timeout = 30.0
 
     @property
+    def own_address(self) -> str:
+        """The local broker's: host and kafka_port (kafka_bootstrap may name a Kafka elsewhere)."""
+        return f"{self.config.host}:{self.config.kafka_port}"
+
+    @property
     def address(self) -> str:
-        return f"kafka://{self.config.kafka_bootstrap}"
+        return f"kafka://{self.own_address}"
 
     def healthy(self) -> bool:
         from kafka import KafkaAdminClient
 
-        admin = KafkaAdminClient(bootstrap_servers=self.config.kafka_bootstrap,
+        admin = KafkaAdminClient(bootstrap_servers=self.own_address,
                                  request_timeout_ms=3000)
         try:
             admin.list_topics()
@@ -43,7 +48,7 @@ class Kafka(Component):
             admin.close()
 
     def launch(self) -> None:
-        url = f"tcp://{self.config.kafka_bootstrap}"
+        url = f"tcp://{self.own_address}"
         spawn([str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
                "--storage-engine", "memory://tansu/"],
               self.log_file, self.pid_file)
