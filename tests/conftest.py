@@ -70,7 +70,9 @@ def module_leaves_nothing_running():
     import psutil
     import requests
 
-    rest_url = StackConfig.from_env().flink_rest_url
+    config = StackConfig.from_env()
+    rest_url = config.flink_rest_url
+    _replace_a_lost_taskmanager(config)
     jobs_before, processes_before = _running_job_ids(rest_url), _descendants()
     yield
     leaked_jobs = _running_job_ids(rest_url) - jobs_before
@@ -90,3 +92,28 @@ def module_leaves_nothing_running():
     if leaked_jobs or leaked:
         warnings.warn(pytest.PytestWarning(
             f"left running, now stopped: Flink jobs {sorted(leaked_jobs)}, processes {leaked}"))
+
+
+def _replace_a_lost_taskmanager(config: StackConfig) -> None:
+    """The session cluster with no TaskManager left (a JVM crash: RocksDB's native code
+    segfaulted once while a job was cancelled): start one, as a supervisor would, and say so."""
+    import time
+    import warnings
+
+    import requests
+
+    from streamtune.stack.flink import Flink
+
+    def registered() -> int:
+        return len(requests.get(f"{config.flink_rest_url}/taskmanagers", timeout=5).json()["taskmanagers"])
+
+    try:
+        if registered() or Flink(config).taskmanager_pids():
+            return
+    except Exception:  # no session cluster: this module needs none
+        return
+    Flink(config).start_taskmanager()
+    deadline = time.monotonic() + 60
+    while not registered() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    warnings.warn(pytest.PytestWarning("the session cluster had no TaskManager: started one"))

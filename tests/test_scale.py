@@ -189,7 +189,8 @@ def two_taskmanagers(stack_config):
     """A second TaskManager beside the stack's; stopped again afterwards."""
     flink = Flink(stack_config)
     before = set(flink.taskmanager_pids())
-    flink.start_taskmanager()
+    for _ in range(max(1, 2 - len(before))):  # two, whatever became of the stack's own
+        flink.start_taskmanager()
     wait_for(lambda: _registered_taskmanagers(stack_config) >= 2, 60, "a second TaskManager to register")
     yield flink
     for pid in set(flink.taskmanager_pids()) - before:
