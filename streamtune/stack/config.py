@@ -12,6 +12,7 @@
 | flink_rest_port | STREAMTUNE_FLINK_REST_PORT   | 8081                                         |
 | flink_rpc_port  | STREAMTUNE_FLINK_RPC_PORT    | 6123                                         |
 | kafka_address   | STREAMTUNE_KAFKA_BOOTSTRAP   | <host>:<kafka_port>                          |
+| tracking_address| STREAMTUNE_MLFLOW_URI, else MLFLOW_TRACKING_URI | http://<host>:<mlflow_port> |
 
 The home holds pid files, logs and the rendered Flink configuration; the data dir holds
 PostgreSQL, MongoDB, MLflow artifacts and Flink checkpoints. The home defaults outside
