@@ -39,8 +39,8 @@ of a digit prompt, the completion's tokens labelled), so no padding is counted a
    (b) mixed precision streaming accumulation: bf16 weights under bf16 autocast (fp16 weights
    with a GradScaler where the GPU has no bf16), flushing every 8 micro-batches. Peak memory
    is `torch.cuda.max_memory_allocated` with only that arm's model resident (reset before
-   each arm; not measured on the CPU); step time is the median per optimizer step. The
-   seed's claim (A100-40GB): 38.2 GB / 124 ms against 19.7 GB / 8.3 ms.
+   each arm; not measured on the CPU); step time is the median per optimizer step. Our goal,
+   stated for an A100-40GB and not yet measured there: 38.2 GB / 124 ms against 19.7 GB / 8.3 ms.
 3. **Trainer vs bare loop**: `operators.lora_trainer.LoraTrainer.for_base(dir)` on the same
    weights saved with `save_pretrained` into a temporary directory, `.step(...)` called as
    the Flink operator calls it (state of the previous step passed back in), windows of
