@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -35,8 +36,28 @@ CDC_JOB_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "cdc_retrain.py"
 LIVE_STATES = {"CREATED", "INITIALIZING", "RUNNING", "RESTARTING", "RECONCILING"}
 # What running the `flink` command line raises when it cannot run or does not finish.
 FLINK_CLI_ERRORS = (StackError, subprocess.SubprocessError, OSError)
+# What Flink answers when a savepoint is asked of a job whose tasks are not all running yet.
+TASKS_NOT_RUNNING = re.compile(r"not all required tasks are currently running|is not being executed at the moment|"
+                               r"not running|INITIALIZING|DEPLOYING", re.IGNORECASE)
 # MLflow's error codes for a registered model, version or alias that does not exist.
 MLFLOW_NOT_FOUND = {"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"}
+
+
+def flink_failure_reason(output: str) -> str:
+    """The innermost exception message in the `flink` command line's output (its last line
+    is usually a stack trace's `... N more`).
+
+    >>> flink_failure_reason("x\\nCaused by: a.B: outer\\n\\tat x\\nCaused by: c.D: inner cause\\n\\t... 5 more")
+    'c.D: inner cause'
+    >>> flink_failure_reason("")
+    'no output'
+    """
+    causes = re.findall(r"^Caused by: (.+)$", output, re.MULTILINE)
+    if causes:
+        return causes[-1].strip()[:300]
+    lines = [line.strip() for line in output.splitlines()
+             if line.strip() and not line.startswith("\t") and not line.strip().startswith("at ")]
+    return lines[-1][:300] if lines else "no output"
 
 
 class StackUnavailable(ServiceUnavailable):
@@ -158,17 +179,39 @@ class StackGateway:
 
     def stop_with_savepoint(self, job_id: str) -> Optional[str]:
         """`flink stop` with a savepoint under <data_dir>/flink/savepoints; answers the
-        savepoint's path, None when flink did not print it."""
+        savepoint's path, None when flink did not print it.
+
+        A savepoint needs every task running: a job just (re)submitted is RUNNING before its
+        tasks are, so this waits for them first, and tries once more when Flink still
+        declines because a task is not running yet.
+        """
         target = str(self.stack.data_dir / "flink" / "savepoints")
-        try:
-            r = flink_cli(self.stack, "stop", "--savepointPath", target, job_id, timeout=self.flink_timeout_s)
-        except FLINK_CLI_ERRORS as e:
-            raise StackUnavailable(f"flink stop failed: {type(e).__name__}: {e}")
-        if r.returncode != 0:
-            tail = (r.stdout + r.stderr).strip().splitlines()
-            raise StackUnavailable(f"flink stop failed: {tail[-1][:300] if tail else r.returncode}")
-        m = re.search(r"Savepoint completed\. Path: (\S+)", r.stdout)
-        return m.group(1) if m else None
+        deadline = time.monotonic() + self.flink_timeout_s
+        for attempt in (1, 2):
+            self._wait_for_running_tasks(job_id, deadline)
+            try:
+                r = flink_cli(self.stack, "stop", "--savepointPath", target, job_id,
+                              timeout=max(1.0, deadline - time.monotonic()))
+            except FLINK_CLI_ERRORS as e:
+                raise StackUnavailable(f"flink stop failed: {type(e).__name__}: {e}")
+            if r.returncode == 0:
+                m = re.search(r"Savepoint completed\. Path: (\S+)", r.stdout)
+                return m.group(1) if m else None
+            reason = flink_failure_reason(r.stdout + r.stderr)
+            if attempt == 2 or not TASKS_NOT_RUNNING.search(r.stdout + r.stderr):
+                raise StackUnavailable(f"flink stop failed: {reason}")
+        raise AssertionError("unreachable")
+
+    def _wait_for_running_tasks(self, job_id: str, deadline: float) -> None:
+        """Until every task of the job runs (or has finished), the job ended, or the deadline."""
+        while time.monotonic() < deadline:
+            job = self._flink_get(f"/jobs/{job_id}")
+            if not job or job.get("state") != "RUNNING":
+                if job.get("state") not in LIVE_STATES:
+                    return  # ended (or unknown): `flink stop` says so itself
+            elif all(v.get("status") in ("RUNNING", "FINISHED") for v in job.get("vertices", [])):
+                return
+            time.sleep(0.5)
 
     def job_counters(self, job_id: str) -> Optional[dict[str, int]]:
         """The job's Flink counters (`<operator>.<counter>`; one never incremented is absent);
