@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test bench stack-up stack-down
+.PHONY: install demo test bench stack-up stack-down docs-screenshots
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -26,6 +26,11 @@ bench: install
 	  $(BIN)/streamtune stack down && $(BIN)/streamtune stack up && $(BIN)/python bench/$$b || exit 1; \
 	done
 	$(BIN)/python bench/report.py
+
+# The console screenshots of the manual, taken by the browser tests on the local stack.
+docs-screenshots: install
+	$(BIN)/streamtune stack up
+	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py tests/test_lowcode.py -k "console or postgres"
 
 stack-up: install
 	$(BIN)/streamtune stack up

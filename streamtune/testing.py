@@ -159,6 +159,20 @@ def psql(dsn: str, sql: str) -> str:
     return result.stdout
 
 
+def save_screenshot(browser, path: Path) -> Path:
+    """The browser's screenshot at `path`; with STREAMTUNE_SCREENSHOT_DIR set (`make
+    docs-screenshots`), a copy there under the same name for the manual."""
+    import os
+    import shutil
+
+    browser.save_screenshot(str(path))
+    target = os.environ.get("STREAMTUNE_SCREENSHOT_DIR")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, Path(target) / Path(path).name)
+    return path
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (for a server a test starts)."""
     import socket

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from streamtune.local_job import kill_group, spawn_logged
-from streamtune.testing import free_port, random_adapter_files, wait_for
+from streamtune.testing import free_port, random_adapter_files, save_screenshot, wait_for
 from test_lowcode import headless_chromium, listening
 
 pytestmark = pytest.mark.lowcode
@@ -184,7 +184,7 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         evals = texts('#versions > tbody > tr:nth-child(3) table.eval tr[data-set]')
         assert evals == [["recent", "16", "0.94 / 0.75", "0.210 / 0.520", "passed (tol 0.05)"],
                          ["retained", "32", "0.13 / 0.50 (forgot 0.75)", "1.700 / 0.900", "failed (tol 0.1)"]]
-        browser.save_screenshot(str(tmp_path / "console-gate-no-server.png"))
+        save_screenshot(browser, tmp_path / "console-gate-no-server.png")
 
         # The server: half the traffic to the candidate, feedback read from the pipeline's topic.
         serve_log = tmp_path / "serve.log"
@@ -274,7 +274,7 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         assert "Rollback guard on" in text("#serving-guard")
         assert text("#error") == ""
         browser.execute_script("document.querySelector('#serving').scrollIntoView()")
-        browser.save_screenshot(str(tmp_path / "console-serving.png"))
+        save_screenshot(browser, tmp_path / "console-serving.png")
     finally:
         if browser is not None:
             browser.quit()

@@ -23,7 +23,7 @@ import yaml
 from streamtune.local_job import kill_group, spawn_logged
 from streamtune.pipeline import connector_name
 from streamtune.stack.process import alive
-from streamtune.testing import free_port, psql, wait_for, wait_past_window
+from streamtune.testing import free_port, psql, save_screenshot, wait_for, wait_past_window
 
 pytestmark = pytest.mark.lowcode
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ def console_pause_and_resume(api: str, name: str, versions: list[dict], screensh
         assert paused["paused"] and paused["capture"]["running"], "paused: the job stops, the capture goes on"
         click(f"//tr[@data-name='{name}']//button[text()='Resume']")
         WebDriverWait(browser, 120).until(lambda b: job_cell() == "RUNNING")
-        browser.save_screenshot(str(screenshot))
+        save_screenshot(browser, screenshot)
         # A failed call is shown, not swallowed: a wrong token.
         browser.find_element(By.ID, "token").clear()
         browser.find_element(By.ID, "token").send_keys("wrong-token")
@@ -244,7 +244,7 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
     assert restarted["pid"] != capture_pid
 
     # The web console, in a real browser: the versions, the loss curve, pause and resume.
-    resumed_job = console_pause_and_resume(api, name, versions, tmp_path / "console.png")
+    resumed_job = console_pause_and_resume(api, name, versions, tmp_path / "console-pipeline.png")
 
     deleted = streamtune(api, "delete", "-f", str(file))
     assert deleted["job_stopped"] and deleted["savepoint"] and deleted["capture_stopped"]
