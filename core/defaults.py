@@ -1,17 +1,9 @@
 """Paths, addresses and topic names used when nothing else is given.
 
-The same rules as the local stack (`streamtune stack`, docs/guides/local-stack.md),
-so a job started with no options finds what `streamtune stack up` started:
-
-| value            | environment variable                      | default                          |
-|------------------|-------------------------------------------|----------------------------------|
-| home             | STREAMTUNE_HOME                           | /var/lib/streamtune as root, else ~/.local/state/streamtune |
-| data dir         | STREAMTUNE_DATA_DIR                       | <home>/data                      |
-| Kafka bootstrap  | STREAMTUNE_KAFKA_BOOTSTRAP, else STREAMTUNE_HOST:STREAMTUNE_KAFKA_PORT | 127.0.0.1:9092 |
-| base model       |                                           | <data dir>/models/tiny-llama     |
-| artifact store   | STREAMTUNE_ARTIFACT_STORE                 | file://<data dir>/adapters       |
-| MLflow tracking  | STREAMTUNE_MLFLOW_URI, else MLFLOW_TRACKING_URI, else http://STREAMTUNE_HOST:STREAMTUNE_MLFLOW_PORT | http://127.0.0.1:5000 |
-| tokenizer catalogue | STREAMTUNE_TOKENIZER_CATALOGUE         | <data dir>/tokenizers            |
+Each address and path comes from the one settings object, core.settings.Settings (its table
+lists every variable and default), so a job started with no options finds what `streamtune
+stack up` started. These functions answer from it for an environment mapping (default: the
+process's own):
 
 >>> kafka_bootstrap({"STREAMTUNE_HOST": "10.0.0.5", "STREAMTUNE_KAFKA_PORT": "19092"})
 '10.0.0.5:19092'
@@ -33,7 +25,6 @@ and `serve`'s --tracking-uri, the registrar, the API through StackConfig.trackin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping
 
@@ -50,29 +41,22 @@ ALIAS_MOVES_TOPIC = "streamtune.alias-moves"
 BROADCAST_TOPIC_PATTERN = r".*adapter-versions"
 
 
-def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if env is None else env
+def _settings(env: Mapping[str, str] | None):
+    from core.settings import Settings  # pydantic-settings: imported when an address is needed
+
+    return Settings.read(env)
 
 
 def home(env: Mapping[str, str] | None = None) -> Path:
-    value = _env(env).get("STREAMTUNE_HOME")
-    if value:
-        return Path(value).expanduser().resolve()
-    # PostgreSQL runs as `postgres` and must reach its data directory: not under /root.
-    if os.geteuid() == 0:
-        return Path("/var/lib/streamtune")
-    return Path.home() / ".local" / "state" / "streamtune"
+    return _settings(env).home_path
 
 
 def data_dir(env: Mapping[str, str] | None = None) -> Path:
-    value = _env(env).get("STREAMTUNE_DATA_DIR")
-    return Path(value).expanduser().resolve() if value else home(env) / "data"
+    return _settings(env).data_path
 
 
 def kafka_bootstrap(env: Mapping[str, str] | None = None) -> str:
-    e = _env(env)
-    return e.get("STREAMTUNE_KAFKA_BOOTSTRAP") or \
-        f"{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_KAFKA_PORT', '9092')}"
+    return _settings(env).kafka_address
 
 
 def base_model_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -81,28 +65,22 @@ def base_model_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def artifact_store(env: Mapping[str, str] | None = None) -> str:
     """Where trainers write adapters and registrars read them: a URI every machine reaches."""
-    return _env(env).get("STREAMTUNE_ARTIFACT_STORE") or f"file://{data_dir(env) / 'adapters'}"
+    return _settings(env).artifact_store_uri
 
 
 def tracking_uri_override(env: Mapping[str, str] | None = None) -> str | None:
     """The MLflow tracking URI the environment names, if any: STREAMTUNE_MLFLOW_URI, else MLFLOW_TRACKING_URI."""
-    e = _env(env)
-    return e.get("STREAMTUNE_MLFLOW_URI") or e.get("MLFLOW_TRACKING_URI") or None
+    return _settings(env).mlflow_uri
 
 
 def mlflow_uri(env: Mapping[str, str] | None = None) -> str:
-    e = _env(env)
-    return tracking_uri_override(e) or \
-        f"http://{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_MLFLOW_PORT', '5000')}"
+    return _settings(env).tracking_uri
 
 
 def flink_rest_url(env: Mapping[str, str] | None = None) -> str:
     """The JobManager's REST API, as the TaskManagers reach it."""
-    e = _env(env)
-    return e.get("STREAMTUNE_FLINK_REST_URL") or \
-        f"http://{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_FLINK_REST_PORT', '8081')}"
+    return _settings(env).flink_rest_address
 
 
 def tokenizer_catalogue_dir(env: Mapping[str, str] | None = None) -> Path:
-    value = _env(env).get("STREAMTUNE_TOKENIZER_CATALOGUE")
-    return Path(value).expanduser() if value else data_dir(env) / "tokenizers"
+    return _settings(env).tokenizer_catalogue_path

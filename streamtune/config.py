@@ -1,22 +1,38 @@
 """`streamtune config`: the effective STREAMTUNE_* settings and where each value comes from.
 
-Values are computed by the loaders that use them (core.defaults for jobs and commands,
-streamtune.stack.config for `streamtune stack`), so this shows what a command started in
-the same environment would use, not a copy of their rules. A source is `env` (and which
-variable) or `default`. Secrets (tokens, keys, the Postgres password) are never printed:
-only whether they are set.
+Values come from the one settings object every command, job, the stack and the API read
+(core.settings.Settings), so this shows what a command started in the same environment would
+use. A source is `env` (and which variables) or `default`. Secrets (tokens, keys) are never
+printed: only whether they are set.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, Mapping
+from typing import Mapping
 
-
-def _source(env: Mapping[str, str], *variables: str) -> str:
-    given = [v for v in variables if env.get(v)]
-    return f"env {', '.join(given)}" if given else "default"
+# Row -> (the value, as a Settings attribute; the fields it is derived from).
+ROWS = [
+    ("home", "home_path", ("home",)),
+    ("data dir", "data_path", ("home", "data_dir")),
+    ("kafka", "kafka_address", ("kafka_bootstrap", "host", "kafka_port")),
+    ("mlflow", "tracking_uri", ("mlflow_uri", "host", "mlflow_port")),
+    ("flink rest", "flink_rest_address", ("flink_rest_url", "host", "flink_rest_port")),
+    ("flink rpc port", "flink_rpc_port", ("flink_rpc_port",)),
+    ("postgres", None, ("host", "postgres_port")),
+    ("mongo", None, ("host", "mongo_port")),
+    ("artifact store", "artifact_store_uri", ("artifact_store", "home", "data_dir")),
+    ("tokenizer catalogue", "tokenizer_catalogue_path", ("tokenizer_catalogue", "home", "data_dir")),
+    ("api url", "api_url", ("api_url",)),
+    ("serve url", "serve_address", ("serve_url", "host")),
+    ("api cors origins", "api_cors_origins", ("api_cors_origins",)),
+    ("feedback rate", "feedback_rate", ("feedback_rate",)),
+    ("feedback burst", "feedback_burst", ("feedback_burst",)),
+    ("feedback max weight", "feedback_max_weight", ("feedback_max_weight",)),
+    ("feedback max skew ms", "feedback_max_skew_ms", ("feedback_max_skew_ms",)),
+    ("feedback max age ms", "feedback_max_age_ms", ("feedback_max_age_ms",)),
+]
 
 
 def settings(env: Mapping[str, str] | None = None) -> list[dict[str, str]]:
@@ -28,37 +44,32 @@ def settings(env: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     >>> rows["mlflow"]["source"], rows["api token"]["value"]
     ('default', 'set')
     """
-    from core import defaults
+    from core.settings import Settings
 
     env = dict(os.environ if env is None else env)
-    host_port = lambda port: ("STREAMTUNE_HOST", port)  # noqa: E731
-    table: list[tuple[str, Callable[[Mapping[str, str]], object], tuple[str, ...]]] = [
-        ("home", defaults.home, ("STREAMTUNE_HOME",)),
-        ("data dir", defaults.data_dir, ("STREAMTUNE_HOME", "STREAMTUNE_DATA_DIR")),
-        ("kafka", defaults.kafka_bootstrap, ("STREAMTUNE_KAFKA_BOOTSTRAP", *host_port("STREAMTUNE_KAFKA_PORT"))),
-        ("mlflow", defaults.mlflow_uri, ("STREAMTUNE_MLFLOW_URI", *host_port("STREAMTUNE_MLFLOW_PORT"))),
-        ("flink rest", defaults.flink_rest_url,
-         ("STREAMTUNE_FLINK_REST_URL", *host_port("STREAMTUNE_FLINK_REST_PORT"))),
-        ("postgres", lambda e: f"{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_POSTGRES_PORT', '5432')}",
-         host_port("STREAMTUNE_POSTGRES_PORT")),
-        ("mongo", lambda e: f"{e.get('STREAMTUNE_HOST', '127.0.0.1')}:{e.get('STREAMTUNE_MONGO_PORT', '27017')}",
-         host_port("STREAMTUNE_MONGO_PORT")),
-        ("artifact store", defaults.artifact_store,
-         ("STREAMTUNE_ARTIFACT_STORE", "STREAMTUNE_HOME", "STREAMTUNE_DATA_DIR")),
-        ("base model", defaults.base_model_dir, ("STREAMTUNE_HOME", "STREAMTUNE_DATA_DIR")),
-        ("api url", lambda e: e.get("STREAMTUNE_API_URL") or "http://127.0.0.1:8000", ("STREAMTUNE_API_URL",)),
-    ]
-    rows = [{"setting": name, "value": str(value(env)), "source": _source(env, *variables)}
-            for name, value, variables in table]
+    shared = Settings.read(env)
+
+    def source(*variables: str) -> str:
+        given = [v for v in variables if env.get(v)]
+        return f"env {', '.join(given)}" if given else "default"
+
+    rows = []
+    for name, attribute, fields in ROWS:
+        if attribute is None:  # a server the stack runs on host:port
+            value = f"{shared.host}:{getattr(shared, fields[1])}"
+        else:
+            value = getattr(shared, attribute)
+        rows.append({"setting": name, "value": str(value),
+                     "source": source(*(v for f in fields for v in Settings.variables(f)))})
     secrets = [("api token", ("STREAMTUNE_API_TOKEN", "STREAMTUNE_TOKENS_FILE", "STREAMTUNE_TOKENS_DIR",
                               *sorted(v for v in env if v.startswith("STREAMTUNE_TOKENS_") and v not in (
                                   "STREAMTUNE_TOKENS_FILE", "STREAMTUNE_TOKENS_DIR")))),
                ("response signing key", ("STREAMTUNE_RESPONSE_SIGNING_KEY", "STREAMTUNE_RESPONSE_SIGNING_KEY_FILE"))]
     for name, variables in secrets:
-        source = _source(env, *variables)
-        rows.append({"setting": name, "value": "set" if source != "default" else "not set", "source": source})
-    known = {v for _, _, variables in table for v in variables} | {v for _, vs in secrets for v in vs}
-    # Variables this table does not cover are still shown: a typo in a name is then visible.
+        given = source(*variables)
+        rows.append({"setting": name, "value": "set" if given != "default" else "not set", "source": given})
+    known = {v for f in Settings.model_fields for v in Settings.variables(f)} | {v for _, vs in secrets for v in vs}
+    # Variables the settings do not cover are still shown: a typo in a name is then visible.
     for name in sorted(v for v in env if v.startswith("STREAMTUNE_") and v not in known):
         secret = any(word in name for word in ("TOKEN", "KEY", "PASSWORD", "SECRET"))
         rows.append({"setting": name, "value": "set" if secret else env[name], "source": f"env {name}"})

@@ -27,6 +27,7 @@ from fastapi.responses import FileResponse
 
 from core import defaults
 from core.errors import ConfigError
+from core.settings import Settings
 from core.response_ids import signing_key
 from streamtune.auth import AccessPolicy, AuthMiddleware, TokenStore, read_single_token, route_table
 from streamtune.stack.config import StackConfig
@@ -112,20 +113,14 @@ class ApiSettings:
         STREAMTUNE_TOKENS_FILE, STREAMTUNE_TOKENS_DIR, STREAMTUNE_TOKENS_<SCOPE>, and the
         older --token-file / STREAMTUNE_API_TOKEN = admin, STREAMTUNE_API_FEEDBACK_TOKEN =
         feedback); the inference server at STREAMTUNE_SERVE_URL."""
+        shared = Settings.read()
         kwargs.setdefault("stack", StackConfig.from_env())
-        kwargs.setdefault("cors_origins", [o.strip() for o in os.environ.get("STREAMTUNE_API_CORS_ORIGINS", "").split(",")
-                                           if o.strip()])
-        kwargs.setdefault("serve_url", os.environ.get("STREAMTUNE_SERVE_URL") or None)
+        kwargs.setdefault("cors_origins", shared.cors_origins)
+        kwargs.setdefault("serve_url", shared.serve_url)
         kwargs.setdefault("serve_token", read_single_token(None, "STREAMTUNE_SERVE_TOKEN"))
         kwargs.setdefault("response_signing_key", signing_key())
-        for name, cast in (("rate", float), ("burst", float), ("max_weight", float), ("max_skew_ms", int),
-                           ("max_age_ms", int)):
-            value = os.environ.get(f"STREAMTUNE_FEEDBACK_{name.upper()}")
-            if value:
-                try:
-                    kwargs.setdefault(f"feedback_{name}", cast(value))
-                except ValueError:
-                    raise ConfigError(f"STREAMTUNE_FEEDBACK_{name.upper()}={value}: not a number") from None
+        for name in ("rate", "burst", "max_weight", "max_skew_ms", "max_age_ms"):
+            kwargs.setdefault(f"feedback_{name}", getattr(shared, f"feedback_{name}"))
         kwargs.setdefault("tokens", TokenStore(tokens_file=tokens_file, token_file=token_file))
         return cls(**kwargs)
 

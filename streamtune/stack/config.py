@@ -1,4 +1,5 @@
-"""Typed settings of the local default stack, read once from flags and the environment.
+"""Typed settings of the local default stack, read once from flags and the shared settings
+(core.settings.Settings, the one reader of the STREAMTUNE_* variables).
 
 | setting         | env var                      | default                                      |
 |-----------------|------------------------------|----------------------------------------------|
@@ -24,14 +25,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from core import defaults
-
-
-# Fields read from a variable other than STREAMTUNE_<FIELD>: the names core/defaults.py reads.
-ENV_NAMES = {"kafka_address": "STREAMTUNE_KAFKA_BOOTSTRAP", "tracking_address": "STREAMTUNE_MLFLOW_URI"}
+from core.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class StackConfig:
     # Kafka where it is not on `host` (a Kubernetes Service of its own): what clients connect to.
     kafka_address: str = ""
     # MLflow where versions are registered, when not the stack's own (STREAMTUNE_MLFLOW_URI,
-    # else MLFLOW_TRACKING_URI: core/defaults.py tracking_uri_override).
+    # else MLFLOW_TRACKING_URI: core.settings).
     tracking_address: str = ""
 
     def __post_init__(self) -> None:
@@ -64,20 +61,21 @@ class StackConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "StackConfig":
-        """Build from STREAMTUNE_* variables; keyword overrides (e.g. CLI flags) win."""
-        env = dict(os.environ if env is None else env)
-        values: dict = {}
-        for f in fields(cls):
-            raw = overrides.get(f.name)
-            if raw is None:
-                raw = env.get(ENV_NAMES.get(f.name, f"STREAMTUNE_{f.name.upper()}"))
-            if raw is None:
-                continue
-            values[f.name] = int(raw) if f.type == "int" else raw
-        values.setdefault("tracking_address", defaults.tracking_uri_override(env) or "")
-        home = Path(values.pop("home", None) or defaults.home({})).expanduser().resolve()
-        data_dir = Path(values.pop("data_dir", None) or home / "data").expanduser().resolve()
-        return cls(home=home, data_dir=data_dir, **values)
+        """Build from the shared settings (core.settings.Settings: the STREAMTUNE_* variables);
+        keyword overrides (e.g. CLI flags) win."""
+        renamed = {"kafka_address": "kafka_bootstrap", "tracking_address": "mlflow_uri"}
+        s = Settings.read(env, **{renamed.get(k, k): v for k, v in overrides.items()
+                                  if renamed.get(k, k) in Settings.model_fields})
+        values: dict = {f: getattr(s, f) for f in ("host", "kafka_port", "postgres_port", "mongo_port", "mlflow_port",
+                                                   "flink_rest_port", "flink_rpc_port")}
+        values.update(kafka_address=s.kafka_bootstrap or "", tracking_address=s.mlflow_uri or "")
+        # The stack's own database login: the stack's business, not a shared setting.
+        environ = os.environ if env is None else env
+        for name in ("postgres_user", "postgres_password"):
+            raw = overrides.get(name) or environ.get(f"STREAMTUNE_{name.upper()}")
+            if raw:
+                values[name] = raw
+        return cls(home=s.home_path, data_dir=s.data_path, **values)
 
     # Addresses other code (jobs, tests, the CLI) connects to.
     @property
