@@ -30,7 +30,7 @@ bench: install
 # The console screenshots of the manual, taken by the browser tests on the local stack.
 docs-screenshots: install
 	$(BIN)/streamtune stack up
-	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py tests/test_lowcode.py -k "console or postgres"
+	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py -k console_shows
 
 stack-up: install
 	$(BIN)/streamtune stack up
