@@ -30,7 +30,7 @@ bench: install
 # The console screenshots of the manual, taken by the browser tests on the local stack.
 docs-screenshots: install
 	$(BIN)/streamtune stack up
-	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py -k console_shows
+	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py -k "console_shows or models_page"
 
 stack-up: install
 	$(BIN)/streamtune stack up

@@ -287,3 +287,54 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
             api_proc.wait(timeout=60)
         except Exception:
             kill_group(api_proc)
+
+
+def test_models_page_lists_a_model_trained_outside_any_pipeline_and_opens_its_versions(
+        stack_config, base_model, unique, tmp_path):
+    """The registry's models, however trained: one registered by the registrar alone (as a
+    `flink run` job's would be) is listed with its aliases and opens its versions."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    model_id, topic = f"solo-{unique}", f"test.solo-{unique}"
+    register_gated_versions(stack_config, base_model, model_id, topic, tmp_path / "adapters")
+    api_port = free_port()
+    api, api_log = f"http://127.0.0.1:{api_port}", tmp_path / "api.log"
+    api_proc = spawn_logged([sys.executable, "-m", "streamtune.cli", "api", "--port", str(api_port)], api_log,
+                            extra_env={"STREAMTUNE_API_TOKEN": TOKEN})
+    browser = None
+    try:
+        wait_for(lambda: listening(api, api_proc, api_log, "/healthz"), 60, "the API to listen", interval=0.3)
+        assert requests.get(f"{api}/v1/models", timeout=30).status_code == 401, "a stranger lists no model"
+        listed = {m["model_id"]: m for m in requests.get(f"{api}/v1/models", headers=AUTH, timeout=60).json()["models"]}
+        assert listed[model_id]["aliases"] == {"champion": 2, "candidate": 3}
+        assert listed[model_id]["latest_version"] == 3 and listed[model_id]["pipeline"] is None
+        assert abs(listed[model_id]["latest_created_ms"] - time.time() * 1000) < 600_000
+
+        browser = headless_chromium()
+        browser.set_window_size(1280, 800)
+        browser.get(f"{api}/console")
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        browser.find_element(By.ID, "model-filter").send_keys(model_id)
+        browser.find_element(By.ID, "refresh").click()
+        row = f'#models tr[data-model="{model_id}"]'
+        WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.CSS_SELECTOR, row))
+        cells = browser.execute_script("return [...document.querySelector(arguments[0]).cells].map(c => c.innerText)",
+                                       row)
+        assert cells[:4] == [model_id, "v2", "v3", "v3"] and cells[5] == "–", cells
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#models tbody tr")) == 1, "the filter narrows the list"
+        browser.execute_script(f"document.querySelector('{row} td').click()")
+        WebDriverWait(browser, 30).until(
+            lambda b: len(b.find_elements(By.CSS_SELECTOR, "#versions > tbody > tr")) == 3)
+        assert browser.find_element(By.ID, "model-name").text == model_id
+        WebDriverWait(browser, 30).until(lambda b: "Not trained by a pipeline" in b.find_element(By.ID, "no-dlq").text)
+        assert browser.find_element(By.ID, "error").text == ""
+        save_screenshot(browser, tmp_path / "console-models.png")
+    finally:
+        if browser is not None:
+            browser.quit()
+        api_proc.terminate()
+        try:
+            api_proc.wait(timeout=60)
+        except Exception:
+            kill_group(api_proc)

@@ -26,7 +26,7 @@ from streamtune.stack.config import StackConfig
 from streamtune.stack.flink import flink_cli, job_counters, submit_detached
 from streamtune.stack.process import StackError
 
-from .models import EvalSetView, GateView, ServingResponse, VersionInfo
+from .models import EvalSetView, GateView, ModelSummary, ServingResponse, VersionInfo
 
 # `streamtune serve --port`'s default: where the control plane looks for the server when
 # STREAMTUNE_SERVE_URL is not set.
@@ -298,6 +298,25 @@ class StackGateway:
                                    f"(another program on that port?): {str(e).splitlines()[0][:200]}")
 
     # ------------------------------------------------------------ MLflow
+
+    def models(self) -> list[ModelSummary]:
+        """Every registered model with its aliases and newest version, by name."""
+        client = self._mlflow_client()
+        found, token = [], None
+        while True:
+            page = self._mlflow(client.search_registered_models, None, 1000, None, token)
+            found += list(page)
+            token = page.token
+            if not token:
+                break
+        out = []
+        for model in sorted(found, key=lambda m: m.name):
+            latest = max(model.latest_versions or [], key=lambda mv: int(mv.version), default=None)
+            out.append(ModelSummary(model_id=model.name,
+                                    aliases={a: int(v) for a, v in (model.aliases or {}).items()},
+                                    latest_version=int(latest.version) if latest else None,
+                                    latest_created_ms=latest.creation_timestamp if latest else None))
+        return out
 
     def versions(self, model_id: str) -> list[VersionInfo]:
         """The model's MLflow versions, oldest first."""

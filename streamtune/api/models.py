@@ -86,6 +86,19 @@ class VersionInfo(BaseModel):
                                                                          "version (tag streamtune.rollback)")
 
 
+class ModelSummary(BaseModel):
+    """A model registered in MLflow, however it was trained (a pipeline, `flink run`, the demo)."""
+    model_id: str
+    aliases: dict[str, int] = Field(default_factory=dict, description="alias -> version (champion, candidate, ...)")
+    latest_version: Optional[int] = None
+    latest_created_ms: Optional[int] = Field(None, description="when the newest version was registered (epoch ms)")
+    pipeline: Optional[str] = Field(None, description="the pipeline that trains it, when the control plane has one")
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelSummary]
+
+
 class VersionsResponse(BaseModel):
     model_id: str
     versions: list[VersionInfo]

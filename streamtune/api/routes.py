@@ -5,6 +5,7 @@
 | POST   /v1/stream-finetune              | admin    | submit a job for the spec's topic, or hot-update |
 | GET    /v1/stream-finetune/{model_id}   | read     | job state, spec hash in force, last version, counters |
 | DELETE /v1/stream-finetune/{model_id}   | admin    | forget the model; last model: stop job with savepoint |
+| GET    /v1/models                       | read     | every registered model: aliases, newest version |
 | GET    /v1/models/{model_id}/versions   | read     | MLflow versions                               |
 | POST   /v1/models/{model_id}/aliases    | admin    | move an alias (promote / roll back), logged   |
 | GET    /v1/models/{model_id}/promotions | read     | the promotion log of that model               |
@@ -68,7 +69,7 @@ from .gateway import (LIVE_STATES, MlflowNotFound, NotServed, StackGateway, Stac
                       unusable_job_topic)
 from .jobs_file import JobsFile, PromotionLog
 from .models import (AliasRequest, AliasResponse, Counters, ErrorBody, FeedbackAccepted, FeedbackDeadLetter,
-                     FeedbackEvent, Promotion, PromotionsResponse, ServingResponse, StatusResponse, StopResponse,
+                     FeedbackEvent, ModelsResponse, Promotion, PromotionsResponse, ServingResponse, StatusResponse, StopResponse,
                      SubmitResponse, VersionsResponse, Window, to_sample)
 
 
@@ -252,6 +253,16 @@ def stop_model(plane: ControlPlane, model_id: str) -> StopResponse:
     del data["models"][model_id]
     plane.jobs.save(data)
     return StopResponse(model_id=model_id, job_id=job_id, job_stopped=stopped, savepoint=savepoint)
+
+
+@router.get("/v1/models", response_model=ModelsResponse, responses={**AUTH_ERR, **STACK_ERR})
+def models(actor: Reader, plane: Plane):
+    """Every model in the registry, however it was trained; `pipeline` names the control
+    plane's pipeline for it, if any."""
+    pipelines = set(plane.jobs.load()["pipelines"])
+    found = plane.gateway.models()
+    return ModelsResponse(models=[m.model_copy(update={"pipeline": m.model_id if m.model_id in pipelines else None})
+                                  for m in found])
 
 
 @router.get("/v1/models/{model_id}/versions", response_model=VersionsResponse,

@@ -97,6 +97,44 @@ async function refreshPipelines() {
   }
 }
 
+// How long ago, in words: the freshness of a model's newest version.
+function ago(ms) {
+  if (ms == null) return "–";
+  const s = Math.max(0, (Date.now() - ms) / 1000);
+  if (s < 90) return `${Math.round(s)} s ago`;
+  if (s < 5400) return `${Math.round(s / 60)} min ago`;
+  if (s < 172800) return `${Math.round(s / 3600)} h ago`;
+  return `${Math.round(s / 86400)} days ago`;
+}
+
+// Every registered model (GET /v1/models), the newest registration first; at most 200 rows
+// shown, the filter narrows them.
+async function refreshModels() {
+  const models = (await api("GET", "/v1/models")).models;
+  const filter = $("#model-filter").value.trim();
+  const shown = models.filter((m) => !filter || m.model_id.includes(filter))
+    .sort((a, b) => (b.latest_created_ms || 0) - (a.latest_created_ms || 0)).slice(0, 200);
+  const body = $("#models tbody");
+  body.replaceChildren();
+  $("#no-models").hidden = models.length > 0;
+  for (const m of shown) {
+    const tr = document.createElement("tr");
+    tr.dataset.model = m.model_id;
+    tr.tabIndex = 0;
+    if (m.model_id === selected) tr.className = "selected";
+    cell(tr, m.model_id);
+    cell(tr, m.aliases.champion != null ? "v" + m.aliases.champion : "–");
+    cell(tr, m.aliases.candidate != null ? "v" + m.aliases.candidate : "–");
+    cell(tr, m.latest_version != null ? "v" + m.latest_version : "–");
+    cell(tr, ago(m.latest_created_ms)).title = m.latest_created_ms ? new Date(m.latest_created_ms).toISOString() : "";
+    cell(tr, m.pipeline || "–");
+    const choose = () => { selected = m.model_id; refresh(); };
+    tr.addEventListener("click", choose);
+    tr.addEventListener("keydown", (ev) => { if (ev.key === "Enter") choose(); });
+    body.appendChild(tr);
+  }
+}
+
 function drawLossCurve(versions) {
   const svg = $("#loss-curve");
   svg.replaceChildren();
@@ -264,7 +302,16 @@ async function refreshModel() {
   drawLossCurve(versions);
   $("#rollback").disabled = !versions.some((v) => championVersion !== null && v.version < championVersion);
   await refreshServing(selected);
-  const letters = await api("GET", `/v1/pipelines/${selected}/dlq?limit=100`);
+  let letters = [];
+  try {
+    letters = await api("GET", `/v1/pipelines/${selected}/dlq?limit=100`);
+    $("#no-dlq").textContent = "No dead letters.";
+  } catch (e) {
+    if (!String(e.message).includes("→ 404")) throw e;
+    // Trained outside a pipeline: its dead letters are on the DLQ topic its job was given.
+    $("#no-dlq").textContent = "Not trained by a pipeline of this control plane: its dead letters are on its "
+      + "job's DLQ topic (--dlq-topic).";
+  }
   const dlq = $("#dlq tbody");
   dlq.replaceChildren();
   $("#no-dlq").hidden = letters.length > 0;
@@ -281,6 +328,7 @@ async function refreshModel() {
 async function refresh() {
   try {
     await refreshPipelines();
+    await refreshModels();
     await refreshModel();
     showError(null, "refresh");
     $("#updated").textContent = "updated " + new Date().toLocaleTimeString();
@@ -299,5 +347,6 @@ $("#rollback").addEventListener("click", async () => {
 $("#token").value = sessionStorage.getItem("streamtune-token") || "";
 $("#token").addEventListener("change", () => { sessionStorage.setItem("streamtune-token", token()); refresh(); });
 $("#refresh").addEventListener("click", refresh);
+$("#model-filter").addEventListener("input", refresh);
 refresh();
 setInterval(refresh, 5000);
