@@ -27,7 +27,7 @@ SUBCOMMAND_MODULES: list[tuple[str, str, dict[str, str]]] = [
         "stop": "stop training a model (the job stops with a savepoint when it was the last)",
         "apply": "create or update a pipeline from a file (idempotent; prints the diff)",
         "delete": "delete the pipeline a file names: job stopped with a savepoint, capture stopped",
-        "get": "list pipelines (or one) with their job and capture state",
+        "get": "list pipelines (or one) with their job and capture state; every registered model",
     }),
     ("streamtune.cdc", "add_parser", {"cdc": "capture PostgreSQL WAL or MongoDB change streams into Kafka"}),
     ("streamtune.registrar_cli", "add_parser", {

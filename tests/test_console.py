@@ -9,7 +9,10 @@ tiny base, so the server loads and answers with them. Training is not what is te
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 import time
 import uuid
@@ -310,6 +313,13 @@ def test_models_page_lists_a_model_trained_outside_any_pipeline_and_opens_its_ve
         assert listed[model_id]["aliases"] == {"champion": 2, "candidate": 3}
         assert listed[model_id]["latest_version"] == 3 and listed[model_id]["pipeline"] is None
         assert abs(listed[model_id]["latest_created_ms"] - time.time() * 1000) < 600_000
+        # The same from the command line, as a user lists them.
+        env = {**os.environ, "STREAMTUNE_API_TOKEN": TOKEN}
+        cli = [sys.executable, "-m", "streamtune.cli", "get", "models", "--url", api, "-o", "json"]
+        out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert {m["model_id"]: m["aliases"] for m in json.loads(out.stdout)}[model_id] == {"champion": 2,
+                                                                                           "candidate": 3}
 
         browser = headless_chromium()
         browser.set_window_size(1280, 800)

@@ -91,7 +91,7 @@ def _request(method: str, url: str, body, headers: dict, progress: str | None):
     return outcome["response"]
 
 
-def call(args, method: str, path: str, body=None, progress: str | None = None) -> int:
+def call(args, method: str, path: str, body=None, progress: str | None = None, unwrap: str | None = None) -> int:
     """Send the request and print the answer (-o); RequestRejected or ServiceUnavailable
     for an error answer."""
     import requests
@@ -118,7 +118,7 @@ def call(args, method: str, path: str, body=None, progress: str | None = None) -
         if r.status_code >= 500 and r.status_code != 501:
             raise ServiceUnavailable(message)
         raise RequestRejected(message)
-    emit(payload, getattr(args, "output", None))
+    emit(payload[unwrap] if unwrap else payload, getattr(args, "output", None))
     return 0
 
 
@@ -174,6 +174,8 @@ def cmd_delete(args) -> int:
 
 
 def cmd_get(args) -> int:
+    if args.what == "models":  # every registered model (its versions: `streamtune versions MODEL`)
+        return call(args, "GET", "/v1/models", unwrap="models")
     return call(args, "GET", "/v1/pipelines" + (f"/{args.name}" if args.name else ""))
 
 
@@ -250,9 +252,10 @@ def add_parsers(subparsers) -> None:
     _client_options(p)
     p.set_defaults(func=reporting_errors(cmd_delete))
 
-    p = subparsers.add_parser("get", help="list pipelines (or one) with their job and capture state")
-    p.add_argument("what", choices=["pipelines"])
-    p.add_argument("name", nargs="?")
+    p = subparsers.add_parser("get", help="list pipelines (or one) with their job and capture state; "
+                                          "every registered model")
+    p.add_argument("what", choices=["pipelines", "models"])
+    p.add_argument("name", nargs="?", help="one pipeline")
     _client_options(p)
     p.set_defaults(func=reporting_errors(cmd_get))
 

@@ -325,14 +325,19 @@ async function refreshModel() {
   }
 }
 
+// Refreshes overlap (the timer, the button, a click on a row): only the newest one's error
+// is shown, and a read that worked clears an older refresh's error (e.g. before the token).
+let refreshes = 0;
+
 async function refresh() {
+  const mine = ++refreshes;
   try {
     await refreshPipelines();
+    if (mine === refreshes) showError(null, "refresh");
     await refreshModels();
     await refreshModel();
-    showError(null, "refresh");
     $("#updated").textContent = "updated " + new Date().toLocaleTimeString();
-  } catch (e) { showError(e, "refresh"); }
+  } catch (e) { if (mine === refreshes) showError(e, "refresh"); }
 }
 
 $("#rollback").addEventListener("click", async () => {
