@@ -34,6 +34,8 @@ SUBCOMMAND_MODULES: list[tuple[str, str, dict[str, str]]] = [
         "registrar": "register committed versions of a versions topic in MLflow and broadcast them"}),
     ("streamtune.k8s", "add_parser", {"render": "Kubernetes manifests for one pipeline spec (deploy/k8s)"}),
     ("streamtune.serve.cli", "add_parser", {"serve": "OpenAI-compatible inference that follows adapter versions"}),
+    ("streamtune.serve.follow", "add_parser", {
+        "follow": "keep a vLLM server's LoRA adapters in step with the versions (sidecar)"}),
     ("streamtune.sqlclient.command", "add_parser", {
         "sql": "run Flink SQL files (sql/) with streamtune's UDFs, or an interactive prompt"}),
     ("streamtune.config", "add_parser", {

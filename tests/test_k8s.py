@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 KUBE_VERSION = "1.30.0"
 FLINK_KINDS = {"FlinkDeployment": "flinkdeployments", "FlinkSessionJob": "flinksessionjobs"}
-TARGETS = ["base", "overlays/cpu", "overlays/gpu", "session"]
+TARGETS = ["base", "overlays/cpu", "overlays/gpu", "overlays/vllm", "session"]
 SECRETS = {k8s.API_TOKEN_SECRET, k8s.POSTGRES_SECRET, "streamtune-mlflow-db"}
 PIPELINES = {"postgres": K8S / "examples" / "pipeline-postgres.yaml", "kafka": K8S / "examples" / "pipeline-kafka.yaml"}
 SCRIPTS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])  # the venv's bin/
@@ -210,6 +210,25 @@ def test_kustomize_output_validates(target):
         assert obj["metadata"].get("namespace") == k8s.NAMESPACE or obj["kind"] == "Namespace", obj["metadata"]
 
 
+def test_vllm_overlay_runs_vllm_with_its_follower_and_no_key_in_the_spec():
+    objects = kustomize("overlays/vllm")
+    (pod,) = [o["spec"]["template"]["spec"] for o in objects
+              if o["kind"] == "Deployment" and o["metadata"]["name"] == "streamtune-vllm"]
+    vllm, follow = pod["containers"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in vllm["env"]
+    assert "--enable-lora" in vllm["args"][0] and "/etc/vllm/api-key/key" in vllm["args"][0]
+    assert follow["command"][-1] == "follow" and follow["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert follow["args"][follow["args"].index("--vllm-url") + 1] == "http://127.0.0.1:8000"
+    # Both read the adapter files from one volume; the key only from the mounted Secret.
+    assert {m["mountPath"] for m in vllm["volumeMounts"]} >= {"/vllm-adapters", "/etc/vllm/api-key"}
+    assert {m["mountPath"] for m in follow["volumeMounts"]} >= {"/vllm-adapters", "/etc/vllm/api-key"}
+    assert not any("api-key" in str(e.get("value", "")) or "KEY" in e["name"] and "value" in e
+                   for c in pod["containers"] for e in c.get("env", []))
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {("Service", "streamtune-vllm"), ("Deployment", "streamtune-serve")} <= names
+
+
 def test_overlays_hold_every_service():
     for overlay in ("overlays/cpu", "overlays/gpu"):
         names = {(o["kind"], o["metadata"]["name"]) for o in kustomize(overlay)}
@@ -290,7 +309,7 @@ def test_flink_settings_match_flink_conf():
     for where, obj in all_flink_objects():
         if obj["kind"] != "FlinkDeployment":
             continue
-        gpu = "gpu" in where
+        gpu = "gpu" in where or "vllm" in where  # the vllm overlay is the gpu one plus vLLM
         conf, expected = obj["spec"]["flinkConfiguration"], k8s.flink_configuration(gpu)
         differ = {k: (conf.get(k), expected.get(k)) for k in set(conf) | set(expected) if conf.get(k) != expected.get(k)}
         assert not differ, f"{where}: (manifest, flink-conf/config.yaml + streamtune/k8s.py): {differ}; " \
