@@ -57,8 +57,8 @@ def vllm_python() -> Path:
 class VllmServer:
     """vLLM's OpenAI server on a free port, from the vLLM venv, LoRA runtime updates on."""
 
-    def __init__(self, python: Path, base: Path, log_file: Path):
-        self.port = free_port()
+    def __init__(self, python: Path, base: Path, log_file: Path, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
         self.started = time.monotonic()
