@@ -5,6 +5,10 @@ modules. Loading a version copies its tensors into a slot (zero-padded to the sl
 with the version's own scaling): no allocation, no model surgery, no disk. Every request and
 every copy holds the pool's lock, so a request sees one whole version, never half of one.
 
+Requests decode in batches (operators.batched_decoding): `scheduler()` gives the thread that
+gathers concurrent requests for a few ms and decodes them in one loop, each row with its own
+version's slot (PEFT's mixed-adapter batch), under the lock; `generate` decodes one alone.
+
 With the version's sha256, `put` first checks every file against the artifact's manifest
 (connectors/artifact_store.verify_artifact): what the slots hold is what was recorded, config
 included, and a changed, missing or unlisted file is refused by name.
@@ -16,11 +20,12 @@ out; a version in neither is loaded again by whoever holds its files (the follow
 
     pool = AdapterPool("/models/tiny-llama", slots=8)
     pool.put("bot/3", files, sha256)          # verify, parse + check once, into the CPU cache
-    pool.generate("bot/3", "x=1;y=", 4)       # swaps into a slot if it is not in one
+    pool.generate("bot/3", "x=1;y=", 4)       # swaps into a slot if it is not in one, greedy
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -35,6 +40,7 @@ from safetensors.torch import load as load_safetensors
 
 from core.errors import ArtifactIntegrityError
 from core.routing import BASE
+from operators.batched_decoding import BatchScheduler, Row, RowResult, SamplingParams, decode_batch
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -55,6 +61,8 @@ class Generation:
     mean_logprob: float   # mean log-probability of the generated tokens
     tokens: int
     version_key: str
+    finish_reason: str = "stop"   # "stop": eos or a stop string; "length": max_tokens
+    prompt_tokens: int = 0
 
 
 def base_fingerprint(base_dir: Path) -> str:
@@ -119,6 +127,9 @@ class AdapterPool:
         for name in self.slot_names[1:]:
             self.model.add_adapter(name, config)
         self.model.eval()
+        eos = base.generation_config.eos_token_id if base.generation_config is not None else None
+        self.eos_ids = {e for e in ([eos] if isinstance(eos, int) else list(eos or [])) + [self.tokenizer.eos_token_id]
+                        if e is not None}
         # Peft module name as saved in artifacts ("base_model.model.<path>") -> LoRA layer.
         self._layers = {n: m for n, m in self.model.named_modules() if hasattr(m, "lora_A") and m.lora_A}
         # Held by every request and every copy; callers may hold it around a route lookup too.
@@ -127,8 +138,55 @@ class AdapterPool:
         self._cpu: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self.swaps = 0
         self.last_swap_seconds = 0.0
+        self._stack_slots()
         for name in self.slot_names:
             self._clear_slot(name)
+
+    @torch.no_grad()
+    def _stack_slots(self) -> None:
+        """Each layer's slot tensors become views of one stack [slots + 1, ...] (the last
+        entry: zeros, for rows of the base), and each slot's scaling one entry of a vector:
+        a mixed batch gathers every row's own slot with one batched matmul per layer
+        (`mixed_batch`), however many versions it holds."""
+        self.slot_index = {name: i for i, name in enumerate(self.slot_names)}
+        self.slot_scaling = torch.zeros(len(self.slot_names) + 1, device=self.device)
+        self._stacks: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+        for layer in self._layers.values():
+            a0, b0 = layer.lora_A[self.slot_names[0]].weight, layer.lora_B[self.slot_names[0]].weight
+            a_stack = torch.zeros((len(self.slot_names) + 1, *a0.shape), dtype=a0.dtype, device=a0.device)
+            b_stack = torch.zeros((len(self.slot_names) + 1, *b0.shape), dtype=b0.dtype, device=b0.device)
+            for i, slot in enumerate(self.slot_names):
+                layer.lora_A[slot].weight.data = a_stack[i]
+                layer.lora_B[slot].weight.data = b_stack[i]
+            self._stacks.append((layer, a_stack, b_stack))
+
+    @contextlib.contextmanager
+    def mixed_batch(self, adapters: list[str | None]):
+        """While decoding a batch whose rows use different slots (None: the base): the LoRA
+        layers give the base's output plus, per row, x·Aᵀ·Bᵀ·scaling of that row's slot,
+        gathered from the stacks (one bmm pair per layer, not one pass per version as peft's
+        `adapter_names` does). Call with `lock` held."""
+        idx = torch.tensor([len(self.slot_names) if a is None else self.slot_index[a] for a in adapters],
+                           device=self.device)
+        scale = self.slot_scaling.index_select(0, idx)[:, None, None]
+
+        def hook_for(a_stack: torch.Tensor, b_stack: torch.Tensor):
+            def hook(module, args, output):
+                x = args[0]
+                a, b = a_stack.index_select(0, idx), b_stack.index_select(0, idx)
+                h = torch.bmm(x.to(a.dtype), a.transpose(1, 2))
+                return output + (torch.bmm(h, b.transpose(1, 2)) * scale).to(output.dtype)
+            return hook
+
+        handles = []
+        with self.model.disable_adapter():
+            try:
+                for layer, a_stack, b_stack in self._stacks:
+                    handles.append(layer.register_forward_hook(hook_for(a_stack, b_stack)))
+                yield
+            finally:
+                for h in handles:
+                    h.remove()
 
     # -- versions -----------------------------------------------------------------------
     def put(self, version_key: str, files: dict[str, bytes], sha256: str | None = None) -> LoadedAdapter:
@@ -201,6 +259,7 @@ class AdapterPool:
             b_weight[:, : loaded.rank].copy_(b, non_blocking=True)
             b_weight[:, loaded.rank:].zero_()
             layer.scaling[slot] = loaded.scaling
+        self.slot_scaling[self.slot_index[slot]] = loaded.scaling
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -211,29 +270,31 @@ class AdapterPool:
             layer.lora_B[slot].weight.zero_()
 
     # -- inference ----------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, version_key: str, prompt: str, max_tokens: int = 16) -> Generation:
-        """Greedy completion of `prompt` by one version (BASE: no adapter)."""
+    def tokenize(self, prompt: str) -> list[int]:
+        """The prompt's token ids, as every generation sees them (ValueError: none)."""
+        ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        return list(ids)
+
+    def generate(self, version_key: str, prompt: str, max_tokens: int = 16,
+                 params: SamplingParams | None = None) -> Generation:
+        """Completion of `prompt` by one version (BASE: no adapter), greedy unless `params`
+        say otherwise; alone, synchronously (batched requests: `scheduler`)."""
+        params = params or SamplingParams(max_tokens=max_tokens)
+        row = Row(self.tokenize(prompt), params)
         with self.lock:
             slot = self.activate(version_key)
-            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"].to(self.device)
-            if slot is None:
-                with self.model.disable_adapter():
-                    out = self._greedy(ids, max_tokens)
-            else:
-                self.model.set_adapter(slot)
-                out = self._greedy(ids, max_tokens)
-        new_ids, logprobs = out
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
-        mean = sum(logprobs) / len(logprobs) if logprobs else 0.0
-        return Generation(text, round(mean, 6), len(new_ids), version_key)
+            result = decode_batch(self.model, self.tokenizer, [row], [slot], self.device, self.eos_ids,
+                                  self.mixed_batch)[0]
+        return generation_of(result, version_key)
 
-    def _greedy(self, ids: torch.Tensor, max_tokens: int) -> tuple[list[int], list[float]]:
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                  do_sample=False, output_scores=True, return_dict_in_generate=True,
-                                  pad_token_id=self.tokenizer.pad_token_id)
-        chosen = out.sequences[0, ids.shape[1]:].tolist()
-        # The end token's log-probability counts too: stopping is a choice of the model.
-        logprobs = [float(torch.log_softmax(score[0].float(), dim=-1)[token]) for score, token in zip(out.scores, chosen)]
-        eos = self.tokenizer.eos_token_id
-        return [t for t in chosen if t not in (eos, self.tokenizer.pad_token_id)], logprobs
+    def scheduler(self, window_ms: float = 5.0, max_batch: int = 16, on_batch=None) -> BatchScheduler:
+        """A batch scheduler over this pool (operators.batched_decoding): concurrent requests,
+        for one or several versions, decoded together."""
+        return BatchScheduler(self, window_ms=window_ms, max_batch=max_batch, on_batch=on_batch)
+
+
+def generation_of(result: RowResult, version_key: str) -> Generation:
+    return Generation(result.text, result.mean_logprob, result.tokens, version_key, result.finish_reason,
+                      result.prompt_tokens)

@@ -2,7 +2,7 @@
 
 | method | path                                  | scope     | what                                          |
 |--------|---------------------------------------|-----------|-----------------------------------------------|
-| POST   | /v1/completions                       | inference | greedy completion by the routed version       |
+| POST   | /v1/completions                       | inference | completion(s) by the routed version, or SSE   |
 | POST   | /v1/chat/completions                  | inference | the same through the base's chat template     |
 | GET    | /v1/models                            | inference | served models, aliases, hot and refused versions |
 | PUT    | /v1/models/{model_id}/split           | admin     | the fraction of traffic sent to `candidate`   |
@@ -22,48 +22,125 @@ exception (401 AuthenticationError, 403 PermissionDeniedError, 404 NotFoundError
 Each response names the version that produced it (`system_fingerprint` is
 `<model_id>/<version>`, or `base`) and carries `streamtune.audit_trace`: routing, adapter
 version (with sha256), base model.
+
+Completions as the official `openai` client knows them: `prompt` a string or a list of up to
+16 strings (one set of `n` choices per prompt, choice `index` = prompt × n + choice), `n`
+(1..8), `max_tokens` (chat: or `max_completion_tokens`), `temperature` (0..2), `top_p`
+(0..1], `seed` (choice c samples with seed + c), `stop` (a string or up to 4), `user`;
+`usage` counts the prompt's tokens (by the base's tokenizer) and the generated ones;
+`finish_reason` is "stop" (end token or a stop string, which is cut off) or "length"
+(max_tokens). Out-of-range values answer 422 with OpenAI's error object.
+
+One deliberate difference from OpenAI: without `temperature` the answer is greedy
+(temperature 0), not sampled at 1.0. A server of fine-tuned adapters answers reproducibly
+unless asked to sample: the same request to the same version gives the same text (what
+exact-match checks and the guarantees' tests rely on). Send `temperature` to sample.
+
+`stream: true` answers `text/event-stream`: `data: <chunk>` lines in OpenAI's chunk shape
+(`text_completion`, or `chat.completion.chunk` with `delta`, the first carrying the role),
+text sent as it is decoded (never text a stop string may still take back), a chunk with each
+choice's `finish_reason`, with `stream_options.include_usage` a last chunk with `usage` and no
+choices, then `data: [DONE]`. Every chunk carries `system_fingerprint`. The inference log
+record is written once per response, with the whole text.
+
+Concurrent requests are decoded together: the pool's batch scheduler (served.py,
+operators/batched_decoding.py) gathers them for `--batch-window-ms` and decodes up to
+`--max-batch` rows, across versions, in one loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
-from typing import Optional
+from dataclasses import replace
+from typing import Optional, Union
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import ArtifactIntegrityError, ConfigError
 from streamtune.auth import AccessPolicy, AuthMiddleware, RequireScope, TokenStore, route_table
 
-from .served import Answer, ModelNotFound, ServedModels
+from operators.batched_decoding import SamplingParams
+
+from .served import Answer, ModelNotFound, Pending, ServedModels
+
+# Greedy unless the request sets `temperature` (OpenAI's default is 1.0): see the docstring.
+DEFAULT_TEMPERATURE = 0.0
 
 
-class CompletionRequest(BaseModel):
+MAX_PROMPTS = 16  # prompts in one completions request
+MAX_ROWS = 64     # prompts × n
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What both endpoints take besides the prompt: OpenAI's names and ranges."""
+
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use
 
     model: str
-    prompt: str
-    max_tokens: int = 16
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)  # None: greedy (see above)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    stop: Optional[Union[str, list[str]]] = None
+    n: int = Field(default=1, ge=1, le=8)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return stops
+
+    def sampling(self, default_max_tokens: int = 16) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+                              temperature=self.temperature if self.temperature is not None else DEFAULT_TEMPERATURE,
+                              top_p=self.top_p if self.top_p is not None else 1.0, seed=self.seed,
+                              stop=tuple(self.stop or ()))
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, value):
+        if isinstance(value, list) and not 1 <= len(value) <= MAX_PROMPTS:
+            raise ValueError(f"between 1 and {MAX_PROMPTS} prompts")
+        return value
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     role: str
     content: str
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int = 16
-    user: Optional[str] = None
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)  # newer clients' name of max_tokens
 
 
 class SplitRequest(BaseModel):
@@ -77,12 +154,52 @@ def _extra(answer: Answer) -> dict:
 
 
 def _usage(answer: Answer) -> dict:
-    return {"prompt_tokens": 0, "completion_tokens": answer.generation.tokens,
-            "total_tokens": answer.generation.tokens}
+    prompt, completion = answer.prompt_tokens, answer.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _fingerprint(answer: Answer) -> str:
     return "base" if answer.version is None else f"{answer.model_id}/{answer.version}"
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+def _stream(pending: Pending, chat: bool, model: str, include_usage: bool):
+    """OpenAI's server-sent events for a request decoding in a batch: text deltas as they are
+    decoded, each choice's finish_reason, the usage chunk if asked for, then [DONE].
+
+    A plain generator (Starlette iterates it in its threadpool): it only waits on the
+    request's event queue and holds no lock across a yield."""
+    rid = pending.request_id.replace("cmpl-", "chatcmpl-") if chat else pending.request_id
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": pending.fingerprint}
+    tail = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, text: str, finish: Optional[str], first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if finish is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return _sse({**head, "choices": [choice], **tail})
+
+    try:
+        if chat:  # the role first, for each choice, as OpenAI sends it
+            for i in range(len(pending.group.rows)):
+                yield chunk(i, "", None, first=True)
+        for event in pending.events():
+            if event[0] == "delta" and event[2]:
+                yield chunk(event[1], event[2], None)
+            elif event[0] == "row":
+                yield chunk(event[1], "", event[2].finish_reason)
+    except Exception as e:  # the status line is sent: the error goes in the stream
+        yield _sse(openai_error(500, f"{type(e).__name__}: {e}"))
+        return
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(pending.result), "streamtune": _extra(pending.result)})
+    yield _sse("[DONE]")
 
 
 # Routes without a token: health checks, and the webhook MLflow signs (HMAC) instead.
@@ -145,13 +262,26 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
         message = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d.get('msg')}" for d in e.errors())
         return JSONResponse(openai_error(422, message[:1000], param=".".join(where) or None), 422)
 
+    def start(body: SamplingRequest, prompts: list[str], params: SamplingParams) -> Pending:
+        if len(prompts) * body.n > MAX_ROWS:
+            raise ConfigError(f"prompts × n is {len(prompts) * body.n}: at most {MAX_ROWS}")
+        return served.submit(body.model, prompts, params, n=body.n, user=body.user, stream=body.stream)
+
+    def streamed(pending: Pending, body: SamplingRequest, chat: bool) -> StreamingResponse:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(pending, chat, body.model, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     @app.post("/v1/completions", dependencies=[inference])
     def completions(body: CompletionRequest):
-        answer = served.complete(body.model, body.prompt, body.max_tokens, body.user)
+        pending = start(body, body.prompts(), body.sampling())
+        if body.stream:
+            return streamed(pending, body, chat=False)
+        answer = pending.answer()
         return {"id": answer.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": _fingerprint(answer),
-                "choices": [{"index": 0, "text": answer.generation.text, "logprobs": None,
-                             "finish_reason": "length" if answer.generation.tokens >= body.max_tokens else "stop"}],
+                "choices": [{"index": i, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
+                            for i, g in enumerate(answer.choices)],
                 "usage": _usage(answer), "streamtune": _extra(answer)}
 
     @app.post("/v1/chat/completions", dependencies=[inference])
@@ -159,13 +289,19 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
         tokenizer = served.pool.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this base model has no chat template: use /v1/completions")
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                               add_generation_prompt=True)
-        answer = served.complete(body.model, prompt, body.max_tokens, body.user)
+        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in body.messages],
+                                               tokenize=False, add_generation_prompt=True)
+        params = body.sampling()
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            params = replace(params, max_tokens=body.max_completion_tokens)
+        pending = start(body, [prompt], params)
+        if body.stream:
+            return streamed(pending, body, chat=True)
+        answer = pending.answer()
         return {"id": answer.request_id.replace("cmpl-", "chatcmpl-"), "object": "chat.completion",
                 "created": int(time.time()), "model": body.model, "system_fingerprint": _fingerprint(answer),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.generation.text},
-                             "finish_reason": "length" if answer.generation.tokens >= body.max_tokens else "stop"}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
+                             "finish_reason": g.finish_reason} for i, g in enumerate(answer.choices)],
                 "usage": _usage(answer), "streamtune": _extra(answer)}
 
     @app.get("/v1/models", dependencies=[inference])

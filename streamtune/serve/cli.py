@@ -27,6 +27,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--candidate-fraction must be between 0 and 1")
     if args.slots < 1 or args.cpu_cache < 1:
         raise ConfigError("--slots and --cpu-cache must be at least 1")
+    if args.max_batch < 1 or args.batch_window_ms < 0:
+        raise ConfigError("--max-batch must be at least 1 and --batch-window-ms at least 0")
     # Tokens and who may call what: streamtune.auth (ConfigError: no token beyond loopback).
     access = AccessPolicy(TokenStore(tokens_file=args.tokens_file, token_file=args.token_file), args.host,
                           args.insecure, "streamtune serve")
@@ -54,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              candidate_fraction=args.candidate_fraction,
                              inference_log_topic=log_topic, guard=guard,
                              webhook_url=None if args.no_registry or args.no_webhook else webhook_url(args),
-                             response_signing_key=response_signing_key(args))
+                             response_signing_key=response_signing_key(args),
+                             batch_window_ms=args.batch_window_ms, max_batch=args.max_batch)
     served = ServedModels(settings)
     uvicorn.run(create_app(served, access), host=args.host, port=args.port, log_level="info")
     return 0
@@ -108,6 +111,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--slots", type=int, default=8, help="adapters held in device memory")
     p.add_argument("--cpu-cache", type=int, default=1024, help="more adapters held in CPU memory (LRU)")
     p.add_argument("--max-rank", type=int, default=16, help="largest LoRA rank served")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="how long concurrent requests are gathered into one decoding batch")
+    p.add_argument("--max-batch", type=int, default=16, help="rows (prompts × n) decoded together at most")
     p.add_argument("--candidate-fraction", type=float, default=0.0,
                    help="share of traffic for `candidate` when it differs from `champion`")
     p.add_argument("--inference-log-topic", default=defaults.INFERENCE_LOG_TOPIC)

@@ -5,6 +5,14 @@ in the pool, under the pool's lock: that move is the swap's acknowledgement. A r
 resolves its route under the same lock and generates before releasing it, so once a move
 is acknowledged no response comes from the version it replaced, and none mixes two.
 
+Requests are decoded in batches (operators.batched_decoding.BatchScheduler): the scheduler
+thread gathers concurrent requests for `batch_window_ms`, then, holding the pool's lock,
+resolves each one's route (`submit`'s `resolve`), activates each distinct version into a
+slot and decodes all rows in one loop. Resolution and generation still share one lock hold,
+so the guarantee above holds for every row of a batch; all rows of one request (its prompts
+× n choices) come from the one version its route named, which `system_fingerprint` names.
+`streamtune_serve_batch_size` (Prometheus) counts the rows of each batch.
+
 Response ids. With a signing key (ServeSettings.response_signing_key: $STREAMTUNE_RESPONSE_SIGNING_KEY,
 the file named by $STREAMTUNE_RESPONSE_SIGNING_KEY_FILE or --response-signing-key-file) each
 request id is `cmpl-<uuid hex>.<HMAC tag>` (core.response_ids): the id answered to the
@@ -15,9 +23,10 @@ it verifies at the control plane. Without a key ids are plain `cmpl-<uuid hex>`.
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,7 +37,8 @@ from core.errors import ArtifactIntegrityError, ConfigError, StreamtuneError
 from core.messages import InferenceRecord
 from core.response_ids import new_response_id
 from core.routing import BASE
-from operators.adapter_pool import AdapterPool, Generation
+from operators.adapter_pool import AdapterPool, Generation, generation_of
+from operators.batched_decoding import Group, NotReady, Row, RowResult, SamplingParams
 from operators.tracing import span
 
 from .guard import GuardSettings, OnlineGuard
@@ -39,6 +49,16 @@ log = logging.getLogger("streamtune.serve")
 
 class ModelNotFound(StreamtuneError):
     exit_code = 2
+
+
+EVENT_TIMEOUT_S = 600.0  # a batch that says nothing this long: the scheduler is stuck
+
+
+def _next_event(group: Group) -> tuple:
+    try:
+        return group.events.get(timeout=EVENT_TIMEOUT_S)
+    except queue.Empty:
+        raise TimeoutError("no answer from the batch scheduler") from None
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,8 @@ class ServeSettings:
     webhook_url: Optional[str] = None       # where MLflow pushes alias moves (connectors.mlflow_webhook)
     webhook_poll_s: float = 5.0             # the registry poll, once the webhook is registered
     response_signing_key: Optional[bytes] = None  # signs response ids (core.response_ids); None: unsigned
+    batch_window_ms: float = 5.0            # how long the scheduler gathers requests into one batch
+    max_batch: int = 16                     # rows (prompts × n) decoded together at most
 
 
 @dataclass
@@ -67,6 +89,57 @@ class Answer:
     arm: str
     latency_ms: float
     audit_trace: list = field(default_factory=list)
+    choices: list = field(default_factory=list)   # every row's Generation (prompts × n), in OpenAI's order
+    n: int = 1                                    # choices per prompt
+
+    @property
+    def prompt_tokens(self) -> int:  # each prompt once (its n choices share it)
+        choices = self.choices or [self.generation]
+        return sum(g.prompt_tokens for g in choices[::self.n])
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(g.tokens for g in (self.choices or [self.generation]))
+
+
+class Pending:
+    """A request whose route is resolved and whose rows are decoding in a batch.
+
+    `events()` yields ("delta", choice, text) (streamed rows only) and ("row", choice,
+    RowResult) until every row is done; `answer()` waits for all and returns the Answer. The
+    inference log record is written once, when the last row is done, with the whole text (of
+    the first prompt's first choice, when a request has several prompts or n > 1)."""
+
+    def __init__(self, served: "ServedModels", group: Group, request_id: str, model_id: str, version: Optional[int],
+                 alias: Optional[str], arm: str, prompts: list[str], user: Optional[str], started: float):
+        self.served, self.group, self.request_id = served, group, request_id
+        self.model_id, self.version, self.alias, self.arm = model_id, version, alias, arm
+        self.prompts, self.user, self.started = prompts, user, started
+        self.n = len(group.rows) // max(1, len(prompts))
+        self.result: Optional[Answer] = None
+
+    @property
+    def fingerprint(self) -> str:
+        return "base" if self.version is None else f"{self.model_id}/{self.version}"
+
+    def events(self):
+        results: list = [None] * len(self.group.rows)
+        left = len(results)
+        while left:
+            event = _next_event(self.group)
+            if event[0] == "error":
+                self.served.requests.labels(self.model_id, self.arm, type(event[1]).__name__).inc()
+                raise event[1]
+            if event[0] == "row":
+                results[event[1]] = event[2]
+                left -= 1
+            yield event
+        self.result = self.served.finish(self, results)
+
+    def answer(self) -> Answer:
+        for _ in self.events():
+            pass
+        return self.result
 
 
 class ServedModels:
@@ -88,6 +161,10 @@ class ServedModels:
                                 registry=self.registry)
         self.swap_seconds = Gauge("streamtune_serve_last_swap_seconds", "Last in-memory adapter copy",
                                   registry=self.registry)
+        self.batch_size = Histogram("streamtune_serve_batch_size", "Rows decoded together in one batch",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.scheduler = self.pool.scheduler(settings.batch_window_ms, settings.max_batch,
+                                             on_batch=lambda rows, versions: self.batch_size.observe(rows))
         self.log_producer = None
         if settings.inference_log_topic:
             from kafka import KafkaProducer
@@ -134,6 +211,7 @@ class ServedModels:
             except Exception as e:  # MLflow gone first: the next start replaces it by name
                 log.warning("could not remove the registry webhook %s: %s", self.webhook_id, e)
         self.follower.stop()
+        self.scheduler.stop()
         if self.guard is not None:
             self.guard.stop()
         if self.log_producer is not None:
@@ -202,41 +280,82 @@ class ServedModels:
         return routes[arm], arm, arm
 
     def complete(self, model: str, prompt: str, max_tokens: int, user: Optional[str] = None) -> Answer:
+        """One greedy completion (through the batch scheduler), answered whole."""
+        pending = self.submit(model, [prompt], SamplingParams(max_tokens=max_tokens), user=user)
+        return pending.answer()
+
+    def submit(self, model: str, prompts: list[str], params: SamplingParams, n: int = 1,
+               user: Optional[str] = None, stream: bool = False) -> "Pending":
+        """Route the request and queue its rows (prompts × n choices) for the batch scheduler;
+        returns once decoding has started, i.e. once the route is resolved under the pool's
+        lock (ModelNotFound, ConfigError, ArtifactIntegrityError raised here, before any text)."""
         started = time.perf_counter()
         request_id = new_response_id(self.settings.response_signing_key)
         name = parse_model_name(model)
-        if not 1 <= max_tokens <= self.settings.max_tokens_limit:
+        if not 1 <= params.max_tokens <= self.settings.max_tokens_limit:
             raise ConfigError(f"max_tokens must be between 1 and {self.settings.max_tokens_limit}")
+        if not prompts:
+            raise ConfigError("prompt: at least one prompt is needed")
+        try:
+            prompt_ids = [self.pool.tokenize(p) for p in prompts]
+        except ValueError as e:
+            raise ConfigError(f"prompt: {e}") from None
         sticky = user or request_id
-        arm = "base"
+        route: dict = {"arm": "base"}
+
+        def resolve() -> tuple[str, tuple]:  # the scheduler calls it holding pool.lock
+            version, alias, arm = self._route(name, sticky)
+            route["arm"] = arm
+            key = BASE if version is None else f"{name.model_id}/{version}"
+            if not self.pool.has(key):
+                raise NotReady(version)
+            return key, (version, alias, arm)
+
         try:
             for _ in range(5):  # a route may move between the fetch and the lock: look again
-                with self.pool.lock:
-                    version, alias, arm = self._route(name, sticky)
-                    key = BASE if version is None else f"{name.model_id}/{version}"
-                    if self.pool.has(key):
-                        generation = self.pool.generate(key, prompt, max_tokens)
-                        break
-                self._ensure_loaded(name.model_id, version)  # cold: fetch outside the lock
+                group = Group([], resolve)
+                for ids in prompt_ids:
+                    for c in range(n):
+                        row_params = params if params.seed is None or c == 0 else replace(params, seed=params.seed + c)
+                        on_delta = None
+                        if stream:
+                            on_delta = (lambda text, i=len(group.rows), q=group.events: q.put(("delta", i, text)))
+                        group.rows.append(Row(ids, row_params, on_delta))
+                self.scheduler.submit(group)
+                event = _next_event(group)
+                if event[0] == "start":
+                    break
+                if event[0] == "error":
+                    raise event[1]
+                self._ensure_loaded(name.model_id, event[1].payload)  # cold: fetch outside the lock
             else:
                 raise ModelNotFound(f"{model}: its route kept moving; try again")
         except Exception as e:
-            self.requests.labels(name.model_id, arm, type(e).__name__).inc()
+            self.requests.labels(name.model_id, route["arm"], type(e).__name__).inc()
             raise
-        latency = time.perf_counter() - started
-        self.requests.labels(name.model_id, arm, "ok").inc()
+        version, alias, arm = event[2]
+        return Pending(self, group, request_id, name.model_id, version, alias, arm, list(prompts), user, started)
+
+    def finish(self, pending: "Pending", results: list[RowResult]) -> Answer:
+        """A request's rows all decoded: metrics, the audit trail, the inference log record."""
+        latency = time.perf_counter() - pending.started
+        model_id, version, arm = pending.model_id, pending.version, pending.arm
+        self.requests.labels(model_id, arm, "ok").inc()
         self.latency.labels(arm).observe(latency)
-        broadcast = self.follower.version(name.model_id, version) if version is not None else None
-        answer = Answer(generation, request_id, name.model_id, version, alias, arm, round(latency * 1000, 3))
+        broadcast = self.follower.version(model_id, version) if version is not None else None
+        key = BASE if version is None else f"{model_id}/{version}"
+        choices = [generation_of(r, key) for r in results]
+        answer = Answer(choices[0], pending.request_id, model_id, version, pending.alias, arm,
+                        round(latency * 1000, 3), choices=choices, n=pending.n)
         answer.audit_trace = [
-            {"stage": "routing", "arm": arm, "alias": alias, "candidate_fraction": self.fraction(name.model_id),
-             "sticky_key": "user" if user else "request_id"},
-            {"stage": "adapter", "model_id": name.model_id, "version": version,
+            {"stage": "routing", "arm": arm, "alias": pending.alias, "candidate_fraction": self.fraction(model_id),
+             "sticky_key": "user" if pending.user else "request_id"},
+            {"stage": "adapter", "model_id": model_id, "version": version,
              "version_id": broadcast.version_id if broadcast else None,
              "sha256": broadcast.sha256 if broadcast else None},
             {"stage": "base_model", "version": self.pool.base_fingerprint},
         ]
-        self._log(answer, prompt, user)
+        self._log(answer, pending.prompts[0], pending.user)
         return answer
 
     def _log(self, answer: Answer, prompt: str, user: Optional[str]) -> None:
