@@ -72,6 +72,13 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                 ("serving", "PEFT load_adapter ÷ swap (p50)", f"{ratio:.0f}×", f"≥ 10×: {verdict(ratio, 10, at_most=False)}", date),
                 ("serving", "request p95 with a swap a second ÷ without", f"{p95_ratio:.2f}",
                  f"≤ 1.10: {verdict(p95_ratio, 1.1)}", date)]
+    batching = load("serving_batching")
+    if batching:
+        c = batching["concurrent"]
+        out.append(("serving", f"{batching['clients']} clients ÷ one at a time, throughput ({batching['adapters']} "
+                    "adapters, in process)", f"{batching['throughput_ratio']:.2f}× (p95 {c['p95_ms']:.0f} ms)",
+                    f"≥ {batching['goal_ratio']:.0f}×: {verdict(batching['throughput_ratio'], batching['goal_ratio'], at_most=False)}",
+                    batching.get("date", "")))
     registration = load("registration")
     if registration:
         pub, whole = registration["publish"], registration["whole"]

@@ -169,6 +169,7 @@ def main() -> int:
                        "batches": len(batch_sizes), "mean_batch": round(statistics.fmean(batch_sizes), 2),
                        "max_batch_seen": max(batch_sizes)},
         "throughput_ratio": round(ratio, 2), "goal_ratio": GOAL_RATIO, "met": ratio >= GOAL_RATIO,
+        "date": time.strftime("%Y-%m-%d"),
     }
     print()
     print(f"{'measure':44s} {'value':>12s}")
