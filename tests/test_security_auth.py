@@ -44,7 +44,8 @@ NO_TOKENS_ENV = {"STREAMTUNE_API_TOKEN": "", "STREAMTUNE_API_FEEDBACK_TOKEN": ""
 # route tables by test_every_route_is_classified.
 API_ROUTES = {
     ("POST", "/v1/stream-finetune"): "admin", ("GET", "/v1/stream-finetune/{model_id}"): "read",
-    ("DELETE", "/v1/stream-finetune/{model_id}"): "admin", ("GET", "/v1/models/{model_id}/versions"): "read",
+    ("DELETE", "/v1/stream-finetune/{model_id}"): "admin", ("GET", "/v1/models"): "read",
+    ("GET", "/v1/models/{model_id}/versions"): "read",
     ("POST", "/v1/models/{model_id}/aliases"): "admin", ("GET", "/v1/models/{model_id}/promotions"): "read",
     ("GET", "/v1/models/{model_id}/serving"): "read", ("POST", "/v1/feedback"): "feedback",
     ("POST", "/v1/pipelines"): "admin", ("GET", "/v1/pipelines"): "read", ("GET", "/v1/pipelines/{name}"): "read",

@@ -16,7 +16,6 @@ from core.options import add_bootstrap_option
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from connectors.adapter_follower import FollowerSettings
     from streamtune.auth import AccessPolicy, TokenStore
 
     from .app import create_app
@@ -34,8 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           args.insecure, "streamtune serve")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     access.announce()
-    follower = FollowerSettings(bootstrap=args.bootstrap, tracking_uri=None if args.no_registry else args.tracking_uri,
-                                artifact_store=args.artifact_store, topic_pattern=args.broadcast_topics)
+    follower = follower_settings(args)
     log_topic = None if args.no_inference_log else args.inference_log_topic
     guard = None
     if not args.no_auto_rollback:
@@ -95,6 +93,24 @@ def webhook_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{args.port}/v1/hooks/mlflow"
 
 
+def add_follower_options(p: argparse.ArgumentParser) -> None:
+    """Where versions and aliases come from: what `serve` and `follow` both follow."""
+    p.add_argument("--artifact-store", default=defaults.artifact_store())
+    p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="MLflow: where aliases point")
+    p.add_argument("--no-registry", action="store_true", help="take aliases from the broadcasts only")
+    add_bootstrap_option(p, default=defaults.kafka_bootstrap())
+    p.add_argument("--broadcast-topics", default=defaults.BROADCAST_TOPIC_PATTERN,
+                   help="regex of the adapter-versions topics to follow (default: every job's)")
+
+
+def follower_settings(args: argparse.Namespace):
+    """The follower's settings from `add_follower_options`' arguments."""
+    from connectors.adapter_follower import FollowerSettings
+
+    return FollowerSettings(bootstrap=args.bootstrap, tracking_uri=None if args.no_registry else args.tracking_uri,
+                            artifact_store=args.artifact_store, topic_pattern=args.broadcast_topics)
+
+
 def add_parser(subparsers) -> None:
     from streamtune.api.cli import add_token_arguments, reporting_errors
 
@@ -102,12 +118,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--base-model", default=str(defaults.base_model_dir()))
-    p.add_argument("--artifact-store", default=defaults.artifact_store())
-    p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="MLflow: where aliases point")
-    p.add_argument("--no-registry", action="store_true", help="take aliases from the broadcasts only")
-    add_bootstrap_option(p, default=defaults.kafka_bootstrap())
-    p.add_argument("--broadcast-topics", default=defaults.BROADCAST_TOPIC_PATTERN,
-                   help="regex of the adapter-versions topics to follow (default: every job's)")
+    add_follower_options(p)
     p.add_argument("--slots", type=int, default=8, help="adapters held in device memory")
     p.add_argument("--cpu-cache", type=int, default=1024, help="more adapters held in CPU memory (LRU)")
     p.add_argument("--max-rank", type=int, default=16, help="largest LoRA rank served")

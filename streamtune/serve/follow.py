@@ -33,9 +33,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-from core import defaults
 from core.errors import ConfigError
-from core.options import add_bootstrap_option
 
 log = logging.getLogger("streamtune.follow")
 
@@ -133,17 +131,17 @@ def status_server(host: str, port: int, follower: VllmFollower) -> ThreadingHTTP
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    from connectors.adapter_follower import FollowerSettings
     from connectors.vllm_target import VllmTarget
     from streamtune.auth import read_single_token
+
+    from .cli import follower_settings
 
     if args.check_seconds <= 0 or args.keep_versions < 0:
         raise ConfigError("--check-seconds must be > 0 and --keep-versions >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     target = VllmTarget(args.vllm_url, args.artifact_dir, read_single_token(args.vllm_api_key_file, "VLLM_API_KEY"),
                         keep_versions=args.keep_versions)
-    settings = FollowerSettings(bootstrap=args.bootstrap, tracking_uri=None if args.no_registry else args.tracking_uri,
-                                artifact_store=args.artifact_store, topic_pattern=args.broadcast_topics)
+    settings = follower_settings(args)
     follower = VllmFollower(settings, target, check_s=args.check_seconds).start()
     server = status_server(args.host, args.port, follower)
     threading.Thread(target=server.serve_forever, name="status", daemon=True).start()
@@ -162,6 +160,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     from streamtune.api.cli import reporting_errors
 
+    from .cli import add_follower_options
+
     p = subparsers.add_parser("follow", help="keep a vLLM server's LoRA adapters in step with the versions (sidecar)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-url", required=True, help="the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
@@ -174,10 +174,5 @@ def add_parser(subparsers) -> None:
                    help="how often vLLM is checked for every alias (a restarted vLLM gets them again)")
     p.add_argument("--host", default="127.0.0.1", help="the /healthz and /readyz listener")
     p.add_argument("--port", type=int, default=8102)
-    p.add_argument("--artifact-store", default=defaults.artifact_store())
-    p.add_argument("--tracking-uri", default=defaults.mlflow_uri(), help="MLflow: where aliases point")
-    p.add_argument("--no-registry", action="store_true", help="take aliases from the broadcasts only")
-    add_bootstrap_option(p, default=defaults.kafka_bootstrap())
-    p.add_argument("--broadcast-topics", default=defaults.BROADCAST_TOPIC_PATTERN,
-                   help="regex of the adapter-versions topics to follow (default: every job's)")
+    add_follower_options(p)
     p.set_defaults(func=reporting_errors(cmd_follow))
