@@ -210,6 +210,19 @@ def test_kustomize_output_validates(target):
         assert obj["metadata"].get("namespace") == k8s.NAMESPACE or obj["kind"] == "Namespace", obj["metadata"]
 
 
+def test_serve_scales_on_cpu_and_drains_on_stop():
+    objects = kustomize("overlays/cpu")
+    (hpa,) = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "streamtune-serve"
+    assert 1 == hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (pod,) = [o["spec"]["template"]["spec"] for o in objects
+              if o["kind"] == "Deployment" and o["metadata"]["name"] == "streamtune-serve"]
+    serve = pod["containers"][0]
+    assert serve["resources"]["requests"]["cpu"], "utilization is measured against the CPU request"
+    assert serve["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    assert serve["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
 def test_vllm_overlay_runs_vllm_with_its_follower_and_no_key_in_the_spec():
     objects = kustomize("overlays/vllm")
     (pod,) = [o["spec"]["template"]["spec"] for o in objects
