@@ -17,8 +17,8 @@ serve it, over vLLM's own HTTP API. For each `on_alias(model_id, alias, version,
    unsupported target modules, unreadable files) is refused here, before any alias moves;
 3. the alias is exposed as the model name `<model_id>@<alias>`: loaded from the same
    directory, with `"load_inplace": true` when that name exists already. Clients call
-   `model="<model_id>@champion"` and get the new weights from the next request on, with no
-   window in which the name is missing;
+   `model="<model_id>@champion"` (or the bare `<model_id>`, the champion's second name) and
+   get the new weights from the next request on, with no window in which the name is missing;
 4. versioned names that no alias points to any more are unloaded, except the newest
    `keep_versions` (2) of the model, so a client pinned to `<model_id>/<version>` keeps working
    for a while. The files stay on disk (see below).
@@ -127,10 +127,12 @@ class VllmTarget:
             elif loaded[versioned] != path:
                 log.warning("%s is loaded from %s, not %s; keeping it (version names are immutable)",
                             versioned, loaded[versioned], path)
-            if loaded.get(aliased) != path:
-                t = time.perf_counter()
-                self._load(aliased, path, inplace=aliased in loaded)
-                timings["swap_alias_s"] = time.perf_counter() - t
+            # The champion is also the bare `<model_id>`: what an OpenAI client asks for by default.
+            for name in (aliased, model_id) if alias == "champion" else (aliased,):
+                if loaded.get(name) != path:
+                    t = time.perf_counter()
+                    self._load(name, path, inplace=name in loaded)
+                    timings["swap_alias_s"] = timings.get("swap_alias_s", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
             unloaded = self.prune(model_id)
             timings["prune_s"] = time.perf_counter() - t
@@ -222,6 +224,8 @@ class VllmTarget:
         and prune the versions only it held; False if it was not loaded."""
         with self._lock:
             unloaded = self._unload(f"{model_id}@{alias}")
+            if alias == "champion":
+                self._unload(model_id)
             self.prune(model_id)
         log.info("%s@%s unloaded (the alias was deleted)", model_id, alias)
         return unloaded

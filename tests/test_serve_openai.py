@@ -85,7 +85,7 @@ def server(stack_config, base_model, tmp_path_factory):
                              requests.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"]),
                  30, "the champion to be routed", interval=0.2)
         yield {"client": client, "url": url, "model_id": model_id, "base": base, "log_topic": log_topic,
-               "bootstrap": stack_config.kafka_bootstrap, "log_file": log_file}
+               "bootstrap": stack_config.kafka_bootstrap, "log_file": log_file, "proc": proc}
     finally:
         kill_group(proc)
 
@@ -252,3 +252,46 @@ def test_concurrent_requests_are_batched_across_versions_and_equal_each_alone(se
     batches = metric(server, "streamtune_serve_batch_size_count") - batches_before
     print(f"{int(rows)} rows in {int(batches)} batches")
     assert rows == len(cases) and batches < rows, "no batch of more than one request"
+
+
+# Last in the module: it stops the module's server.
+def test_sigterm_finishes_the_streams_in_flight_then_exits(server):
+    """A replica told to stop (SIGTERM, as Kubernetes does before replacing a pod) finishes
+    every response it already started, whole, then exits 0 and takes no new request."""
+    import signal
+
+    client, model_id, proc = server["client"], server["model_id"], server["proc"]
+    started = [threading.Event() for _ in range(4)]
+    finished: dict[int, tuple] = {}
+
+    def stream(i: int) -> None:
+        text, reason = "", None
+        try:
+            for chunk in client.completions.create(model=f"{model_id}/1", prompt=PROMPTS[3], max_tokens=200,
+                                                   stop=None, stream=True):
+                started[i].set()
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    reason = chunk.choices[0].finish_reason or reason
+            finished[i] = ("ok", text, reason)
+        except Exception as e:  # a dropped stream is the failure this test exists to catch
+            finished[i] = ("error", repr(e), None)
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(started))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(60), "every stream started"
+    in_flight = len(started) - len(finished)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=120)
+    assert in_flight > 0, "the stop fell after every stream had ended: nothing was in flight"
+    assert all(finished[i][0] == "ok" and finished[i][2] in ("stop", "length") for i in range(len(started))), finished
+    whole = {finished[i][1] for i in range(len(started))}
+    assert len(whole) == 1 and whole != {""}, "the same greedy answer, whole, on every stream"
+    assert proc.wait(timeout=60) == 0, server["log_file"].read_text()[-2000:]
+    with pytest.raises(openai.APIConnectionError):
+        client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=2)

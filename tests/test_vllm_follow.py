@@ -121,6 +121,7 @@ def test_follow_keeps_vllm_answering_each_champion_as_peft_does_across_a_vllm_re
             wait_for(lambda: answering_as(f"{model_id}@champion", version), 120,
                      f"vLLM to answer {model_id}@champion as PEFT v{version}", interval=1)
             assert answering_as(f"{model_id}/{version}", version), "the pinned name answers its version"
+            assert answering_as(model_id, version), "the bare model id is the champion"
 
         # vLLM restarts and forgets every adapter: the sidecar notices and loads them again.
         port = server.port
@@ -131,7 +132,7 @@ def test_follow_keeps_vllm_answering_each_champion_as_peft_does_across_a_vllm_re
         wait_for(server.ready, 600, "the restarted vLLM /health", interval=2)
         ready = wait_for(readyz, 120, "streamtune follow ready again", interval=0.5)
         assert ready["resyncs"] >= 1, ready
-        assert answering_as(f"{model_id}@champion", 2), "after the restart, champion is v2 again"
+        assert answering_as(f"{model_id}@champion", 2) and answering_as(model_id, 2), "after the restart: v2 again"
 
         follow.send_signal(signal.SIGTERM)
         assert follow.wait(timeout=30) == 0, follow_log.read_text()[-2000:]

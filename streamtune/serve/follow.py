@@ -6,7 +6,8 @@ files checked against their sha256, writes them where vLLM reads them (`--artifa
 volume both containers mount) and loads them into vLLM over its runtime LoRA API
 (connectors/vllm_target.py). OpenAI clients then call vLLM with
 
-- `<model_id>@champion` / `<model_id>@candidate`: the alias, moved in place when it moves;
+- `<model_id>` or `<model_id>@champion`: the champion; `<model_id>@candidate`: the candidate;
+  each moved in place when its alias moves;
 - `<model_id>/<version>`: one version, pinned (the newest two unaliased ones stay loaded).
 
 vLLM must run with `--enable-lora`, `--max-lora-rank` at least the adapters' rank and
@@ -71,8 +72,9 @@ class VllmFollower:
         from connectors.vllm_target import lora_names
 
         listed = set(self.target.models())
-        return [lora_names(m, v, a)[1] for m, known in self.follower.models().items()
-                for a, v in known["aliases"].items() if lora_names(m, v, a)[1] not in listed]
+        wanted = [name for m, known in self.follower.models().items() for a, v in known["aliases"].items()
+                  for name in ((lora_names(m, v, a)[1], m) if a == "champion" else (lora_names(m, v, a)[1],))]
+        return [name for name in wanted if name not in listed]
 
     def check_once(self) -> None:
         from connectors.vllm_target import resync
