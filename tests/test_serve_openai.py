@@ -65,7 +65,9 @@ def server(stack_config, base_model, tmp_path_factory):
         [sys.executable, "-m", "streamtune.cli", "serve", "--port", str(port), "--base-model", str(base),
          "--artifact-store", str(tmp / "store"), "--bootstrap-server", stack_config.kafka_bootstrap, "--no-registry",
          "--no-auto-rollback", "--inference-log-topic", log_topic, "--broadcast-topics", re.escape(topic),
-         "--slots", "4"],
+         "--slots", "4",
+         # every answer is below 0 (a mean log-probability): a budget decides alone
+         "--confidence-threshold", "*=0.0"],
         log_file, extra_env={"STREAMTUNE_API_TOKEN": TOKEN, "STREAMTUNE_RESPONSE_SIGNING_KEY": "",
                              "STREAMTUNE_RESPONSE_SIGNING_KEY_FILE": ""})
     url = f"http://127.0.0.1:{port}"
@@ -252,6 +254,38 @@ def test_concurrent_requests_are_batched_across_versions_and_equal_each_alone(se
     batches = metric(server, "streamtune_serve_batch_size_count") - batches_before
     print(f"{int(rows)} rows in {int(batches)} batches")
     assert rows == len(cases) and batches < rows, "no batch of more than one request"
+
+
+def test_a_latency_budget_takes_the_accurate_path_only_when_it_fits(server):
+    """The decision layer: below the confidence threshold, a generous budget takes the accurate
+    path (best-of-k on the same version), a tight one keeps the fast answer, none decides nothing."""
+    url, model_id = server["url"], server["model_id"]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    accurate = f'streamtune_serve_path_decisions_total{{model_id="{model_id}",path="accurate",reason="below threshold"}}'
+    before = metric(server, accurate)
+
+    def ask(headers: dict, extra: dict | None = None) -> tuple[dict, dict]:
+        r = requests.post(f"{url}/v1/completions", headers={**auth, **headers}, timeout=60,
+                          json={"model": model_id, "prompt": PROMPTS[2], "max_tokens": 8, **(extra or {})})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (decision,) = [s for s in body["streamtune"]["audit_trace"] if s["stage"] == "decision"]
+        return body, decision
+
+    fast, d = ask({})
+    assert (d["path"], d["reason"]) == ("fast", "no slo")
+    body, d = ask({"X-Streamtune-SLO-Ms": "60000"})
+    assert (d["path"], d["reason"], d["candidates"]) == ("accurate", "below threshold", 5), d
+    assert body["system_fingerprint"] == f"{model_id}/2", "one version answers both paths"
+    assert body["streamtune"]["mean_logprob"] >= fast["streamtune"]["mean_logprob"] == d["confidence"]
+    body, d = ask({}, {"streamtune": {"slo_ms": 60000}})
+    assert d["path"] == "accurate", "the budget in the body works as the header"
+    body, d = ask({"X-Streamtune-SLO-Ms": "0.5"})
+    assert (d["path"], d["reason"]) == ("fast", "no budget") and body["choices"][0]["text"] == fast["choices"][0]["text"]
+    r = requests.post(f"{url}/v1/completions", headers={**auth, "X-Streamtune-SLO-Ms": "soon"}, timeout=60,
+                      json={"model": model_id, "prompt": PROMPTS[2], "max_tokens": 8})
+    assert r.status_code == 400 and "latency budget" in r.json()["error"]["message"]
+    assert metric(server, accurate) == before + 2
 
 
 # Last in the module: it stops the module's server.

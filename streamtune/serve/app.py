@@ -43,6 +43,10 @@ choice's `finish_reason`, with `stream_options.include_usage` a last chunk with 
 choices, then `data: [DONE]`. Every chunk carries `system_fingerprint`. The inference log
 record is written once per response, with the whole text.
 
+A request may carry a latency budget (`X-Streamtune-SLO-Ms`, or `streamtune.slo_ms`): with a
+confidence threshold set for its model, an answer below it takes the accurate path when the
+budget allows (decision.py). The decision is in `streamtune.audit_trace`.
+
 Concurrent requests are decoded together: the pool's batch scheduler (served.py,
 operators/batched_decoding.py) gathers them for `--batch-window-ms` and decodes up to
 `--max-batch` rows, across versions, in one loop.
@@ -68,6 +72,7 @@ from streamtune.auth import AccessPolicy, AuthMiddleware, RequireScope, TokenSto
 
 from operators.batched_decoding import SamplingParams
 
+from .decision import SLO_HEADER, slo_ms
 from .served import Answer, ModelNotFound, Pending, ServedModels
 
 # Greedy unless the request sets `temperature` (OpenAI's default is 1.0): see the docstring.
@@ -272,12 +277,20 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
         return StreamingResponse(_stream(pending, chat, body.model, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def decided(answer: Answer, body: SamplingRequest, prompts: list[str], params: SamplingParams,
+                request: Request) -> Answer:
+        """The decision layer (decision.py) for a one-prompt, one-choice answer with a budget."""
+        budget = slo_ms(request.headers.get(SLO_HEADER), body.model_extra)
+        if len(prompts) != 1 or body.n != 1:
+            return answer
+        return served.refine(answer, prompts[0], params, budget, body.user)
+
     @app.post("/v1/completions", dependencies=[inference])
-    def completions(body: CompletionRequest):
+    def completions(body: CompletionRequest, request: Request):
         pending = start(body, body.prompts(), body.sampling())
         if body.stream:
             return streamed(pending, body, chat=False)
-        answer = pending.answer()
+        answer = decided(pending.answer(), body, body.prompts(), body.sampling(), request)
         return {"id": answer.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": _fingerprint(answer),
                 "choices": [{"index": i, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
@@ -285,7 +298,7 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
                 "usage": _usage(answer), "streamtune": _extra(answer)}
 
     @app.post("/v1/chat/completions", dependencies=[inference])
-    def chat_completions(body: ChatRequest):
+    def chat_completions(body: ChatRequest, request: Request):
         tokenizer = served.pool.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this base model has no chat template: use /v1/completions")
@@ -297,7 +310,7 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
         pending = start(body, [prompt], params)
         if body.stream:
             return streamed(pending, body, chat=True)
-        answer = pending.answer()
+        answer = decided(pending.answer(), body, [prompt], params, request)
         return {"id": answer.request_id.replace("cmpl-", "chatcmpl-"), "object": "chat.completion",
                 "created": int(time.time()), "model": body.model, "system_fingerprint": _fingerprint(answer),
                 "choices": [{"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": None,

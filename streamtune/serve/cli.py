@@ -20,6 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .guard import GuardSettings
+    from .decision import parse_thresholds
     from .served import ServedModels, ServeSettings
 
     if not 0.0 <= args.candidate_fraction <= 1.0:
@@ -55,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              inference_log_topic=log_topic, guard=guard,
                              webhook_url=None if args.no_registry or args.no_webhook else webhook_url(args),
                              response_signing_key=response_signing_key(args),
-                             batch_window_ms=args.batch_window_ms, max_batch=args.max_batch)
+                             batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
+                             confidence_thresholds=parse_thresholds(args.confidence_threshold))
     served = ServedModels(settings)
     uvicorn.run(create_app(served, access), host=args.host, port=args.port, log_level="info")
     return 0
@@ -122,6 +124,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--slots", type=int, default=8, help="adapters held in device memory")
     p.add_argument("--cpu-cache", type=int, default=1024, help="more adapters held in CPU memory (LRU)")
     p.add_argument("--max-rank", type=int, default=16, help="largest LoRA rank served")
+    p.add_argument("--confidence-threshold", action="append", default=[], metavar="MODEL=VALUE",
+                   help="mean log-probability below which a request with a latency budget may take the "
+                        "accurate path (best-of-k on the same version); MODEL * for every model; repeatable")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
                    help="how long concurrent requests are gathered into one decoding batch")
     p.add_argument("--max-batch", type=int, default=16, help="rows (prompts × n) decoded together at most")

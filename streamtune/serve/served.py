@@ -41,6 +41,7 @@ from operators.adapter_pool import AdapterPool, Generation, generation_of
 from operators.batched_decoding import Group, NotReady, Row, RowResult, SamplingParams
 from operators.tracing import span
 
+from .decision import CostModel
 from .guard import GuardSettings, OnlineGuard
 from core.routing import ModelName, arm_for, parse_model_name
 
@@ -77,6 +78,9 @@ class ServeSettings:
     response_signing_key: Optional[bytes] = None  # signs response ids (core.response_ids); None: unsigned
     batch_window_ms: float = 5.0            # how long the scheduler gathers requests into one batch
     max_batch: int = 16                     # rows (prompts × n) decoded together at most
+    # The decision layer (streamtune/serve/decision.py): model id (or "*") -> the mean
+    # log-probability below which a request with a latency budget may take the accurate path.
+    confidence_thresholds: Optional[dict] = None
 
 
 @dataclass
@@ -161,6 +165,10 @@ class ServedModels:
                                 registry=self.registry)
         self.swap_seconds = Gauge("streamtune_serve_last_swap_seconds", "Last in-memory adapter copy",
                                   registry=self.registry)
+        self.path_decisions = Counter("streamtune_serve_path_decisions",
+                                      "Decision layer: the path each answer took, and why",
+                                      ["model_id", "path", "reason"], registry=self.registry)
+        self.costs = CostModel()
         self.batch_size = Histogram("streamtune_serve_batch_size", "Rows decoded together in one batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.scheduler = self.pool.scheduler(settings.batch_window_ms, settings.max_batch,
@@ -285,7 +293,8 @@ class ServedModels:
         return pending.answer()
 
     def submit(self, model: str, prompts: list[str], params: SamplingParams, n: int = 1,
-               user: Optional[str] = None, stream: bool = False) -> "Pending":
+               user: Optional[str] = None, stream: bool = False,
+               pin: Optional[tuple[Optional[int], Optional[str], str]] = None) -> "Pending":
         """Route the request and queue its rows (prompts × n choices) for the batch scheduler;
         returns once decoding has started, i.e. once the route is resolved under the pool's
         lock (ModelNotFound, ConfigError, ArtifactIntegrityError raised here, before any text)."""
@@ -304,7 +313,9 @@ class ServedModels:
         route: dict = {"arm": "base"}
 
         def resolve() -> tuple[str, tuple]:  # the scheduler calls it holding pool.lock
-            version, alias, arm = self._route(name, sticky)
+            # `pin`: the route of an earlier answer to the same request (the decision layer's
+            # accurate path), so both paths are one version and one arm.
+            version, alias, arm = pin if pin is not None else self._route(name, sticky)
             route["arm"] = arm
             key = BASE if version is None else f"{name.model_id}/{version}"
             if not self.pool.has(key):
@@ -357,6 +368,36 @@ class ServedModels:
         ]
         self._log(answer, pending.prompts[0], pending.user)
         return answer
+
+    def refine(self, answer: Answer, prompt: str, params: SamplingParams, budget_ms: Optional[float],
+               user: Optional[str] = None) -> Answer:
+        """The decision layer (streamtune/serve/decision.py) on a one-prompt, one-choice answer:
+        the fast answer, or the most confident of it and the accurate path's, from the same
+        version; the decision goes in the audit trace and the metrics either way."""
+        from .decision import ACCURATE_TEMPERATURE, BEST_OF, Decision, threshold_for
+
+        threshold = threshold_for(self.settings.confidence_thresholds or {}, answer.model_id)
+        decision = Decision.make(answer.generation.mean_logprob, threshold, budget_ms, answer.latency_ms,
+                                 self.costs.expected_ms(answer.model_id, answer.latency_ms))
+        self.path_decisions.labels(answer.model_id, decision.path, decision.reason).inc()
+        if decision.path == "fast":
+            answer.audit_trace.append(decision.trace())
+            return answer
+        started = time.perf_counter()
+        model = BASE if answer.version is None else f"{answer.model_id}/{answer.version}"
+        route = (answer.version, answer.alias, answer.arm)
+        # Submitted together, decoded in one batch: each is its own response (id, log record).
+        pending = [self.submit(model, [prompt], replace(params, temperature=ACCURATE_TEMPERATURE, seed=seed),
+                               user=user, pin=route) for seed in range(1, BEST_OF + 1)]
+        candidates = [answer, *(p.answer() for p in pending)]
+        accurate_ms = (time.perf_counter() - started) * 1000
+        self.costs.observe(answer.model_id, answer.latency_ms, accurate_ms)
+        best = max(candidates, key=lambda a: a.generation.mean_logprob)
+        best.latency_ms = round(answer.latency_ms + accurate_ms, 3)
+        best.audit_trace = [*answer.audit_trace, {**decision.trace(), "accurate_ms": round(accurate_ms, 3),
+                                                  "candidates": len(candidates),
+                                                  "chosen_mean_logprob": best.generation.mean_logprob}]
+        return best
 
     def _log(self, answer: Answer, prompt: str, user: Optional[str]) -> None:
         if self.log_producer is None:
