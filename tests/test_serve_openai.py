@@ -291,7 +291,7 @@ def test_a_latency_budget_takes_the_accurate_path_only_when_it_fits(server):
 # Last in the module: it stops the module's server.
 def test_sigterm_finishes_the_streams_in_flight_then_exits(server):
     """A replica told to stop (SIGTERM, as Kubernetes does before replacing a pod) finishes
-    every response it already started, whole, then exits 0 and takes no new request."""
+    every response it already started, whole, then shuts down cleanly and takes no new request."""
     import signal
 
     client, model_id, proc = server["client"], server["model_id"], server["proc"]
@@ -326,6 +326,8 @@ def test_sigterm_finishes_the_streams_in_flight_then_exits(server):
     assert all(finished[i][0] == "ok" and finished[i][2] in ("stop", "length") for i in range(len(started))), finished
     whole = {finished[i][1] for i in range(len(started))}
     assert len(whole) == 1 and whole != {""}, "the same greedy answer, whole, on every stream"
-    assert proc.wait(timeout=60) == 0, server["log_file"].read_text()[-2000:]
+    # uvicorn re-raises SIGTERM once its shutdown is complete: -15 after a clean finish.
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), server["log_file"].read_text()[-2000:]
+    assert "Finished server process" in server["log_file"].read_text(), "a clean shutdown, not a kill"
     with pytest.raises(openai.APIConnectionError):
         client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=2)
