@@ -287,10 +287,11 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
 
     @app.post("/v1/completions", dependencies=[inference])
     def completions(body: CompletionRequest, request: Request):
-        pending = start(body, body.prompts(), body.sampling())
+        prompts, params = body.prompts(), body.sampling()
+        pending = start(body, prompts, params)
         if body.stream:
             return streamed(pending, body, chat=False)
-        answer = decided(pending.answer(), body, body.prompts(), body.sampling(), request)
+        answer = decided(pending.answer(), body, prompts, params, request)
         return {"id": answer.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": _fingerprint(answer),
                 "choices": [{"index": i, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
