@@ -20,7 +20,7 @@ test: install
 # The benchmarks of bench/, one after another, each on a freshly restarted local stack (Tansu
 # slows down as topics pile up, and one TaskManager running job after job has crashed:
 # docs/benchmarks.md), then one table.
-BENCHES := freshness.py "freshness.py --periodic-only" registration.py trainer_overhead.py "cdc_latency.py --modes process" submit.py serving.py serving_batching.py many_models.py ingest.py
+BENCHES := freshness.py "freshness.py --periodic-only" registration.py trainer_overhead.py "cdc_latency.py --modes process" submit.py serving.py serving_batching.py serving_load.py many_models.py ingest.py
 bench: install
 	for b in $(BENCHES); do \
 	  $(BIN)/streamtune stack down && $(BIN)/streamtune stack up && $(BIN)/python bench/$$b || exit 1; \
@@ -30,7 +30,8 @@ bench: install
 # The console screenshots of the manual, taken by the browser tests on the local stack.
 docs-screenshots: install
 	$(BIN)/streamtune stack up
-	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py -k "console_shows or models_page"
+	STREAMTUNE_SCREENSHOT_DIR=docs/images $(BIN)/pytest tests/test_console.py tests/test_console_editor.py \
+	  -k "console_shows or models_page or postgres_pipeline_from_a_previewed_table"
 
 stack-up: install
 	$(BIN)/streamtune stack up

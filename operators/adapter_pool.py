@@ -289,10 +289,12 @@ class AdapterPool:
                                   self.mixed_batch)[0]
         return generation_of(result, version_key)
 
-    def scheduler(self, window_ms: float = 5.0, max_batch: int = 16, on_batch=None) -> BatchScheduler:
+    def scheduler(self, window_ms: float = 5.0, max_batch: int = 16, on_batch=None,
+                  max_wait_ms: float = 50.0) -> BatchScheduler:
         """A batch scheduler over this pool (operators.batched_decoding): concurrent requests,
         for one or several versions, decoded together."""
-        return BatchScheduler(self, window_ms=window_ms, max_batch=max_batch, on_batch=on_batch)
+        return BatchScheduler(self, window_ms=window_ms, max_batch=max_batch, on_batch=on_batch,
+                              max_wait_ms=max_wait_ms)
 
 
 def generation_of(result: RowResult, version_key: str) -> Generation:

@@ -13,7 +13,11 @@ the others go on.
 
 `BatchScheduler` is the thread that forms batches: it collects pending groups (one group is
 one HTTP request: its prompts × n choices, all from one version) for `window_ms` (or until
-`max_batch` rows), then, holding the pool's lock, resolves each group's route (the group's
+`max_batch` rows). Under closed-loop load (clients that send their next request as an answer
+comes back) a 5 ms window splits the clients into cohorts that take turns, each waiting out
+the other's batch; so right after a batch, the scheduler expects as many rows as were in
+flight when it ended (the batch plus those queued meanwhile) and waits up to `max_wait_ms`
+for them. A lone client gets only the window. Then, holding the pool's lock, resolves each group's route (the group's
 `resolve` callback), activates each distinct version into a slot (a batch never needs more
 versions than the pool has slots: the rest wait for the next batch) and decodes. Route
 resolution and generation happen under the same lock hold, so a route moved under that
@@ -263,10 +267,12 @@ class Group:
 
 class BatchScheduler:
     def __init__(self, pool, window_ms: float = 5.0, max_batch: int = 16,
-                 on_batch: Optional[Callable[[int, int], None]] = None):
-        if max_batch < 1 or window_ms < 0:
-            raise ValueError("max_batch must be at least 1 and window_ms at least 0")
+                 on_batch: Optional[Callable[[int, int], None]] = None, max_wait_ms: float = 50.0):
+        if max_batch < 1 or window_ms < 0 or max_wait_ms < 0:
+            raise ValueError("max_batch must be at least 1, window_ms and max_wait_ms at least 0")
         self.pool, self.window_s, self.max_batch = pool, window_ms / 1000.0, max_batch
+        self.max_wait_s = max(max_wait_ms, window_ms) / 1000.0
+        self._expected = 1              # rows in flight when the last batch ended: the next batch's aim
         self.on_batch = on_batch      # (rows, distinct versions) of each batch decoded
         self._queue: "queue.Queue[Optional[Group]]" = queue.Queue()
         self._waiting: list[Group] = []  # left for the next batch (too many rows or versions)
@@ -302,9 +308,11 @@ class BatchScheduler:
             if first is None:
                 return []
             pending.append(first)
-        deadline = time.monotonic() + self.window_s
-        while sum(len(g.rows) for g in pending) < self.max_batch:
-            left = deadline - time.monotonic()
+        started = time.monotonic()
+        window, longest = started + self.window_s, started + self.max_wait_s
+        aim = min(self.max_batch, self._expected)
+        while (rows := sum(len(g.rows) for g in pending)) < self.max_batch:
+            left = (window if rows >= aim else longest) - time.monotonic()
             try:
                 group = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
             except queue.Empty:
@@ -320,11 +328,28 @@ class BatchScheduler:
             if not pending:
                 continue
             try:
-                self._batch(pending)
+                decoded = self._batch(pending)
             except Exception:  # never lose the thread: the groups got their error
                 log.exception("batch failed")
+                decoded = 0
+            self._expected = max(1, decoded + self._queued_rows())
 
-    def _batch(self, pending: list[Group]) -> None:
+    def _queued_rows(self) -> int:
+        """Rows waiting now: the groups left over and those queued while the batch decoded
+        (moved to `_waiting`, in order, to count them)."""
+        while True:
+            try:
+                group = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if group is None:  # stop(): put it back for _collect
+                self._queue.put(None)
+                break
+            self._waiting.append(group)
+        return sum(len(g.rows) for g in self._waiting)
+
+    def _batch(self, pending: list[Group]) -> int:
+        """Decode what fits of `pending` as one batch; the rows decoded."""
         pool = self.pool
         with pool.lock:
             chosen: list[tuple[Group, str, Any]] = []
@@ -351,7 +376,7 @@ class BatchScheduler:
                 chosen.append((group, key, route))
                 rows += len(group.rows)
             if not chosen:
-                return
+                return 0
             slots: dict[str, Optional[str]] = {}
             started = []
             for group, key, route in chosen:
@@ -372,7 +397,7 @@ class BatchScheduler:
                     adapters.append(slots[key])
                     owners.append((group, j))
             if not batch_rows:
-                return
+                return 0
             self.batches += 1
             if self.on_batch is not None:
                 self.on_batch(len(batch_rows), len(slots))
@@ -388,3 +413,4 @@ class BatchScheduler:
                 log.exception("decoding a batch of %d rows failed", len(batch_rows))
                 for group, _, _ in started:
                     group.events.put(("error", e))
+            return len(batch_rows)

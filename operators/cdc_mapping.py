@@ -5,8 +5,8 @@ A mapping file (YAML or JSON) says which table or collection feeds which model:
     mappings:
       - table: public.support_answers        # PostgreSQL schema.table (bare name: public)
         model_id: {column: model}            # or {value: support-bot}
-        prompt: question
-        completion: answer
+        prompt: question                     # a column, or a template over columns:
+        completion: answer                   #   "Q: {question}\nContext: {doc.title}"
         weight: score                        # optional column; default 1
         filter:                              # optional; every condition must hold
           - {column: status, op: eq, value: approved}
@@ -23,17 +23,28 @@ Inserts and updates that pass the filter become samples (an update supersedes th
 untrained sample); a delete, or an update that no longer passes, retracts the row's
 sample. Samples carry `origin` (row, op, LSNs or resume token) into version lineage.
 
+`prompt` and `completion` name a column (a dotted path in a document), or are templates:
+text with `{column}` placeholders (dotted paths too; `{{` and `}}` are literal braces). A
+row whose named column is missing or null is dead-lettered with reason `unmappable`.
+
 >>> m = Mapping.model_validate({"table": "answers", "model_id": {"value": "bot"},
 ...                             "prompt": "q", "completion": "a",
 ...                             "filter": [{"column": "ok", "op": "eq", "value": True}]})
 >>> m.source, m.applies({"q": "2+2?", "a": "4", "ok": True}), m.applies({"q": "x", "a": "y", "ok": False})
 ('postgres:public.answers', True, False)
+>>> render("Q: {q} ({meta.lang}) {{raw}}", {"q": "2+2?", "meta": {"lang": "en"}})
+'Q: 2+2? (en) {raw}'
+>>> m.sample_fields({"q": "2+2?", "a": None, "ok": True})
+Traceback (most recent call last):
+...
+ValueError: field 'a' is missing or null
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -113,6 +124,13 @@ class Mapping(_Target):
     def model_for(self, row: dict) -> Any:
         return self.model_id.value if self.model_id.value is not None else field(row, self.model_id.column)
 
+    def sample_fields(self, row: dict) -> dict[str, Any]:
+        """The sample's prompt, completion and weight from a row image (ValueError: why not);
+        what the job trains on and what the console's preview shows."""
+        prompt, completion = render(self.prompt, row), render(self.completion, row)
+        weight = field(row, self.weight) if self.weight else 1.0
+        return {"prompt": prompt, "completion": completion, "weight": weight}
+
 
 class TriggerRule(_Target):
     models: list[Annotated[str, Field(pattern=MODEL_ID)]] = Field(min_length=1)
@@ -156,6 +174,34 @@ def field(row: dict, path: str) -> Any:
             return None
         value = value.get(part)
     return value
+
+
+PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]+)\}")
+
+
+def render(spec: str, row: dict) -> str:
+    """A column's text (`spec` without placeholders) or the template filled from the row."""
+    if "{" not in spec and "}" not in spec:
+        return _required(spec, row)
+
+    def fill(match: re.Match) -> str:
+        return {"{{": "{", "}}": "}"}.get(match.group(0)) or _required(match.group(1).strip(), row)
+
+    return PLACEHOLDER.sub(fill, spec)
+
+
+def _required(path: str, row: dict) -> str:
+    value = text(field(row, path))
+    if value is None:
+        raise ValueError(f"field {path!r} is missing or null")
+    return value
+
+
+def text(value) -> str | None:
+    """A column's value as sample text: strings as they are, anything else as JSON."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def content_hash(row: dict | None) -> str:

@@ -26,7 +26,9 @@ from pyflink.datastream.state import ValueStateDescriptor
 
 from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSample, FinetuneSpec, Lineage,
                            RetrainTrigger, Retraction, VersionMetrics, VersionRecord)
+from operators.arbiter import Arbiter, ArbiterSettings
 from operators.counters import FunctionCounters
+from operators.granularity import GranularityState, next_state
 from operators.quality import (Kept, QualityState, SetScores, decide, draw_replay, eval_roots, is_held_out,
                                load_fixed)
 from operators.tracing import span
@@ -44,6 +46,7 @@ class TrainerSettings:
     max_live_adapters: int = 64          # adapters a worker holds in its model; the rest wait in keyed state
     tracking_uri: str | None = None      # for an mlflow-artifacts:// store
     checkpoint_on_version: str | None = None  # the JobManager's REST URL: ask it for a checkpoint per version
+    arbitration: ArbiterSettings | None = None  # yield to a co-located server's SLO (operators/arbiter.py)
 
 
 JOB_ID_PARAMETER = "streamtune.job-id"  # a global job parameter (jobs/wiring.py fixes the job's id)
@@ -95,11 +98,14 @@ class FinetuneFunction(KeyedProcessFunction):
     # last_trigger window_end of the last retrain trigger applied
     # retracted    origins of CDC rows retracted since the last version
     # quality      QualityState: champion, eval sets, replay buffer
+    # granularity  GranularityState (trigger_policy.mode adaptive): the next step's size, running statistics
     KEYED_STATE = {"config": "config", "pending": "pending", "timer": "window_end", "idle": "idle_timer",
                    "last_seen": "last_seen", "grace": "grace_timer", "adapter": "adapter", "seq": "seq",
-                   "last_trigger": "last_trigger", "retracted": "retracted", "quality": "quality"}
+                   "last_trigger": "last_trigger", "retracted": "retracted", "quality": "quality",
+                   "granularity": "granularity"}
 
     checkpoints = None  # a CheckpointRequester with --checkpoint-on-version (set in open)
+    arbiter = None      # an Arbiter (operators/arbiter.py) with the deployment's SLO settings
 
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
@@ -142,10 +148,25 @@ class FinetuneFunction(KeyedProcessFunction):
         metrics.gauge("last_loss_micro", lambda: round(self.last_step["loss_after"] * 1e6))
         metrics.gauge("adapter_state_bytes", lambda: self.last_step["state_bytes"])
         metrics.gauge("pending_samples", lambda: sum(self.pending.sizes.values()))
+        if self.settings.arbitration is not None:
+            self.start_arbiter()
+            metrics.gauge("arbiter_yielded_ms", lambda: round(self.arbiter.yielded_s * 1000))
+            metrics.gauge("arbiter_yields", lambda: self.arbiter.yields)
+            metrics.gauge("arbiter_headroom_failures", lambda: self.arbiter.headroom_failures)
+            # Flink's Python gauges are integers: the headroom in thousandths (-1000: p99 twice the target).
+            metrics.gauge("slo_headroom_permille",
+                          lambda: round((self.arbiter.last_headroom if self.arbiter.last_headroom is not None
+                                         else 1.0) * 1000))
+
+    def start_arbiter(self, **overrides) -> None:
+        """The arbiter of the deployment's SLO settings (`overrides`: a test's clock or reader)."""
+        self.arbiter = Arbiter(self.settings.arbitration, **overrides)
 
     def close(self):
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.arbiter is not None:
+            self.arbiter.close()
 
     def _request_checkpoint(self) -> None:
         """The version just emitted commits with the next checkpoint: ask for it now
@@ -259,8 +280,11 @@ class FinetuneFunction(KeyedProcessFunction):
         """The watermark closes the window of each pending sample; the idle timer closes them
         all when the model's data stops and nothing moves the watermark past them."""
         size = spec.trigger_policy.window_seconds
-        if pending and self.timer.value() is None:
-            self.timer.update(window_end(min(s.ts for s in pending), size))
+        # The earliest window first, whatever arrived before it: a later window's sample from a
+        # faster partition must not move the next window to close past an earlier one.
+        first = window_end(min(s.ts for s in pending), size) if pending else None
+        if first is not None and (self.timer.value() is None or first < self.timer.value()):
+            self.timer.update(first)
         for end in {window_end(s.ts, size) for s in pending}:
             ctx.timer_service().register_event_time_timer(end)  # idempotent per (key, time)
         if pending and self.idle.value() is None:
@@ -332,14 +356,19 @@ class FinetuneFunction(KeyedProcessFunction):
         model_id, size = ctx.get_current_key(), spec.trigger_policy.window_seconds
         pending, end = self.pending.value() or [], self.timer.value()
         while pending and end is not None and end <= up_to:
-            batch, pending = due_batch(pending, end, spec.trigger_policy.min_samples_per_window)
-            if batch:
-                chunks = steps(batch, spec.trigger_policy.max_samples_per_step)
-                for chunk in chunks:
-                    yield from self._fire(model_id, spec, cfg, chunk, end, "max_samples" if len(chunks) > 1 else "window")
+            if spec.trigger_policy.is_adaptive:
+                fired, pending = yield from self._fire_adaptive(model_id, spec, cfg, pending, end)
+            else:
+                batch, pending = due_batch(pending, end, spec.trigger_policy.min_samples_per_window)
+                fired = bool(batch)
+                if batch:
+                    chunks = steps(batch, spec.trigger_policy.max_samples_per_step)
+                    for chunk in chunks:
+                        yield from self._fire(model_id, spec, cfg, chunk, end,
+                                              "max_samples" if len(chunks) > 1 else "window")
             newer = [s.ts for s in pending if s.ts >= end]
             if not newer:
-                if batch or not idle:
+                if fired or not idle:
                     end = window_end(end, size)
                 break
             end = window_end(min(newer), size)
@@ -348,6 +377,28 @@ class FinetuneFunction(KeyedProcessFunction):
             self.timer.update(end)
         else:
             self.timer.clear()
+
+    def _fire_adaptive(self, model_id: str, spec: FinetuneSpec, cfg: dict, pending: list[Pending], end: int):
+        """trigger_policy.mode adaptive: the due samples train in steps of the size the last
+        step chose (operators/granularity.py), each step choosing the next; a remainder below
+        that size carries over, as a window below min_samples_per_window does. Returns
+        (whether a step fired, the pending samples left)."""
+        size = self._granularity(spec).size
+        batch, pending = due_batch(pending, end, size)
+        if not batch:
+            return False, pending
+        while len(batch) >= size:
+            chunk, batch = batch[:size], batch[size:]
+            yield from self._fire(model_id, spec, cfg, chunk, end, "window")
+            size = self._granularity(spec).size
+        return True, batch + pending
+
+    def _granularity(self, spec: FinetuneSpec) -> GranularityState:
+        """The adaptive state in force, its size within the bounds of the spec in force."""
+        policy = spec.trigger_policy
+        state = self.granularity.value() or GranularityState.initial(policy.min_samples_per_window)
+        low, high = policy.adaptive.min_samples_low, policy.adaptive.min_samples_high
+        return state if low <= state.size <= high else replace(state, size=min(high, max(low, state.size)))
 
     # -- a training step ------------------------------------------------------------------
     def _fire(self, model_id: str, spec: FinetuneSpec, cfg: dict, batch: list[Pending], end: int, trigger: str):
@@ -375,8 +426,12 @@ class FinetuneFunction(KeyedProcessFunction):
         replayed = draw_replay(quality.replay, len(batch), replay.ratio, seed) if replay else []
         with span("streamtune.train_step", model_id=model_id, version_id=version_id, samples=len(batch),
                   trigger=trigger, replayed=len(replayed)) as traced:
+            adaptive = spec.trigger_policy.is_adaptive
+            if self.arbiter is not None:
+                self.arbiter.begin_step()
             result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
-                                  replay=replayed, ewc=spec.ewc)
+                                  replay=replayed, ewc=spec.ewc, measure_noise=adaptive,
+                                  between=self.arbiter.between if self.arbiter is not None else None)
             # Written before the state moves on; a replay writes the same bytes under the same name.
             artifact = self.store.put(result.files, result.sha256)
             gate = self._gate(trainer, model_id, spec, quality, result.metrics["loss_after"]) if evaluation else None
@@ -393,6 +448,12 @@ class FinetuneFunction(KeyedProcessFunction):
             quality = quality.with_trained(batch, replay.buffer_size)
         held_out = list(quality.held_out_ids)
         self.quality.update(replace(quality, held_out_ids=()))
+        granularity = None
+        if adaptive:  # this step's size and why; the statistics it measured size the next one
+            bounds, used = spec.trigger_policy.adaptive, self._granularity(spec)
+            following = next_state(used, bounds, result.noise, result.metrics["loss_before"])
+            granularity = used.decision(bounds, following.measured, following.loss_z)
+            self.granularity.update(following)
         seq = (self.seq.value() or 0) + 1
         self.adapter.update(result.state)
         self.seq.update(seq)
@@ -418,7 +479,7 @@ class FinetuneFunction(KeyedProcessFunction):
             metrics=VersionMetrics(**result.metrics, operator_seconds=round(operator_seconds, 4)),
             lineage=Lineage(sample_ids=[s.sample_id for s in batch], offsets=offset_ranges(batch),
                             origins=origins or None, retracted=retracted or None, held_out=held_out or None),
-            trigger=trigger, gate=gate, retention=spec.retention,
+            trigger=trigger, gate=gate, retention=spec.retention, granularity=granularity,
         ).to_json()
 
     def _gate(self, trainer, model_id: str, spec: FinetuneSpec, quality: QualityState, loss_after: float):

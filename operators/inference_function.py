@@ -9,7 +9,7 @@ two topics may be read in any interleaving (a restore reads them again) and end 
 routes. Record timestamps are no clock for this: versions carry event time, or wall time
 when a model's idle timer closed their window. A request
 (core.messages request JSON: request_id, model, prompt, max_tokens) is answered by the
-version its `model` names (`<model_id>`, `<model_id>@<alias>`, `<model_id>/<version>`, or
+version its `model` names (`<model_id>`, `<model_id>@<alias>`, `<model_id>@v<version>`, or
 `base`) with the same adapter pool as `streamtune serve`, in this worker's memory.
 
 A request that names no known version, or whose artifact fails its sha256 check, gets a

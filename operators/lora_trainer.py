@@ -53,6 +53,9 @@ class StepResult:
     sha256: str          # the artifact's address: of its manifest, which covers every file (config and weights)
     fresh_adapter: bool
     metrics: dict
+    # With measure_noise: the micro-batch gradient norms (operators/granularity.py NoiseSample), or
+    # None when the step had fewer than two micro-batches.
+    noise: object = None
 
 
 _GPU_SLOT = 0  # which of the visible GPUs this worker trains on (place_on_gpu)
@@ -163,12 +166,18 @@ class LoraTrainer:
 
     # -- one step -----------------------------------------------------------------------
     def step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
-             samples: list, seed: int, replay: list = (), ewc: EwcConfig | None = None) -> StepResult:
+             samples: list, seed: int, replay: list = (), ewc: EwcConfig | None = None,
+             measure_noise: bool = False, between=None) -> StepResult:
+        """`measure_noise`: also return the micro-batches' gradient norms (StepResult.noise).
+        `between`: called before every micro-batch after the first (operators/arbiter.py
+        yields the device there); it may wait, never touch the model: the step's result is
+        the same with or without it."""
         with self._lock:
-            return self._step(model_id, adapter, training, state, samples, seed, replay, ewc)
+            return self._step(model_id, adapter, training, state, samples, seed, replay, ewc, measure_noise, between)
 
     def _step(self, model_id: str, adapter: AdapterConfig, training: TrainingConfig, state: dict | None,
-              samples: list, seed: int, replay: list = (), ewc: EwcConfig | None = None) -> StepResult:
+              samples: list, seed: int, replay: list = (), ewc: EwcConfig | None = None,
+              measure_noise: bool = False, between=None) -> StepResult:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         started = time.perf_counter()
@@ -195,8 +204,9 @@ class LoraTrainer:
         penalty = _ewc_penalty(params, consolidated, ewc.strength) if consolidated else None
         if training.exact_losses:
             loss_before = self._mean_loss(examples, weights, training)
+        noise = _NoiseMeter(params) if measure_noise else None
         first_pass, last_pass = self._train(examples + replayed, weights + replay_weights, training, optimizer,
-                                            seed, penalty, own=len(examples))
+                                            seed, penalty, own=len(examples), noise=noise, between=between)
         if training.exact_losses:
             loss_after = self._mean_loss(examples, weights, training)
         else:
@@ -220,7 +230,7 @@ class LoraTrainer:
         return StepResult(
             state={"shape": adapter.shape_key, "lora": lora_bytes, "optim": optim_buf.getvalue(), "steps": steps,
                    "sha256": sha256, **extra},
-            files=files, sha256=artifact_sha256(files), fresh_adapter=fresh,
+            files=files, sha256=artifact_sha256(files), fresh_adapter=fresh, noise=noise.sample() if noise else None,
             metrics={"loss_before": loss_before, "loss_after": loss_after, "samples": len(samples),
                      "tokens": tokens, "step_seconds": round(time.perf_counter() - started, 4),
                      **({"replayed": len(replay)} if replay else {})})
@@ -347,7 +357,8 @@ class LoraTrainer:
         return save_safetensors(tensors)
 
     def _train(self, examples: list, weights: list, training: TrainingConfig, optimizer, seed: int,
-               penalty=None, own: int | None = None) -> tuple[float, float]:
+               penalty=None, own: int | None = None, noise: "_NoiseMeter | None" = None,
+               between=None) -> tuple[float, float]:
         """Train on `examples`; returns the weighted mean loss of the first `own` examples (the
         window's, not replayed ones) in the first pass and in the last pass, as they were
         trained: in the first pass each sample's loss before any step on it (progressive
@@ -364,16 +375,26 @@ class LoraTrainer:
                               if float(w.sum()) != 0.0]  # all rejected: nothing to learn from it
         # [first pass, last pass] x [loss sum, weight], on the device: no sync per micro-batch
         seen = torch.zeros(2, 2, device=self.device)
+        started = False  # `between` runs between micro-batches, not before the first
         for first in range(0, len(micro_batches), training.flush_every):
             group = micro_batches[first:first + training.flush_every]
             # Each micro-batch's weighted loss sum over the whole group's weight: the group's
             # gradients add up to those of one batch holding all its samples.
             group_weight = sum(w.sum() for _, _, _, w in group)
             for epoch, idx, batch, w in group:
+                if between is not None and started:
+                    between()
+                started = True
+                if noise is not None:
+                    noise.before()
                 with self._autocast(training):
                     losses = self._sample_losses(batch)
                     loss = (losses * w).sum() / group_weight.clamp(min=1e-8)
                 scaler.scale(loss).backward()
+                if noise is not None:
+                    # This micro-batch's gradient, of its own weighted mean loss, unscaled.
+                    unscale = scaler.get_scale() if scaler.is_enabled() else 1.0
+                    noise.after(float(group_weight.clamp(min=1e-8)) / float(w.sum()) / unscale, len(idx))
                 mine = w * torch.tensor([j < own for j in idx], device=w.device)
                 weighted = torch.stack([(losses.detach().float() * mine).sum(), mine.sum()])
                 if epoch == 0:
@@ -388,6 +409,42 @@ class LoraTrainer:
         self.model.eval()
         first_pass, last_pass = (round(float(s / w), 6) if w > 0 else 0.0 for s, w in seen.tolist())
         return first_pass, last_pass
+
+
+class _NoiseMeter:
+    """The micro-batch gradients of a step, reduced to what the gradient noise scale needs
+    (operators/granularity.py): the mean of |g_i|² and the sum of the g_i, each g_i the
+    difference of the accumulated gradients across one micro-batch's backward pass. It only
+    reads gradients: the step trains the same with it."""
+
+    def __init__(self, params: list):
+        self.params = [p for _, p in params]
+        self.total: list[torch.Tensor] | None = None
+        self.square_sum, self.count, self.samples = 0.0, 0, 0
+        self._before: list[torch.Tensor] = []
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.detach().float().clone()
+                for p in self.params]
+
+    def before(self) -> None:
+        self._before = self._grads()
+
+    def after(self, scale: float, samples: int) -> None:
+        g = [(a - b) * scale for a, b in zip(self._grads(), self._before)]
+        self.square_sum += float(sum((t * t).sum() for t in g))
+        self.total = g if self.total is None else [t + x for t, x in zip(self.total, g)]
+        self.count += 1
+        self.samples += samples
+
+    def sample(self):
+        from operators.granularity import NoiseSample
+
+        if self.count < 2:
+            return None  # one micro-batch: no spread to measure
+        mean = [t / self.count for t in self.total]
+        return NoiseSample(micro_batch_sq=self.square_sum / self.count, step_sq=float(sum((t * t).sum() for t in mean)),
+                           micro_batch_size=self.samples / self.count, step_size=float(self.samples))
 
 
 def _ewc_penalty(params: list, consolidated: dict, strength: float):

@@ -15,7 +15,6 @@ unmapped + dead_lettered.
 from __future__ import annotations
 
 import hashlib
-import json
 
 from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction
@@ -23,19 +22,13 @@ from pyflink.datastream.state import ValueStateDescriptor
 
 from core.errors import InvalidMessage
 from core.messages import ChangeEnvelope, ChangeOrigin, FeedbackSample, Retraction, RetrainTrigger
-from operators.cdc_mapping import CdcMapping, Mapping, content_hash, field
+from operators.cdc_mapping import CdcMapping, Mapping, content_hash, text
 from operators.validate import DLQ_TAG, dead_letter
 
 
 def sample_id_for(row_key: str, pos_text: str) -> str:
     key = row_key if len(row_key) <= 200 else hashlib.sha256(row_key.encode()).hexdigest()[:32]
     return f"{key}@{pos_text}"
-
-
-def _text(value) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, default=str)
 
 
 class RowChangeFunction(KeyedProcessFunction):
@@ -90,12 +83,7 @@ class RowChangeFunction(KeyedProcessFunction):
     @staticmethod
     def _sample(m: Mapping, event: ChangeEnvelope, origin: ChangeOrigin) -> FeedbackSample:
         image = event.after
-        prompt, completion = _text(field(image, m.prompt)), _text(field(image, m.completion))
-        if prompt is None or completion is None:
-            missing = m.prompt if prompt is None else m.completion
-            raise ValueError(f"field {missing!r} is missing or null")
-        weight = field(image, m.weight) if m.weight else 1.0
         return FeedbackSample.from_dict({
-            "model_id": _text(m.model_for(image)), "sample_id": sample_id_for(origin.row_key, event.position_text()),
-            "prompt": prompt, "completion": completion, "weight": weight,
+            **m.sample_fields(image), "model_id": text(m.model_for(image)),
+            "sample_id": sample_id_for(origin.row_key, event.position_text()),
             "ts": int(event.source.ts_ms), "origin": origin})

@@ -333,6 +333,21 @@ def records_read(config, job_id: str, vertex: str) -> int:
     return sum(v["metrics"]["read-records"] for v in details.get("vertices", []) if vertex in v["name"])
 
 
+def restored_and_running(config, job_id: str) -> bool:
+    """The job runs again from a restored checkpoint, every vertex RUNNING (Flink REST).
+
+    The restored checkpoint is the signal: REST caches the job's graph for a few seconds and
+    fetches numRestarts on its own schedule, so right after a kill a stale "RUNNING" beside a
+    fresh restart count once read as restarted while the job was still failing over."""
+    import requests
+
+    rest = config.flink_rest_url
+    restored = (requests.get(f"{rest}/jobs/{job_id}/checkpoints", timeout=5).json().get("latest") or {}).get("restored")
+    details = requests.get(f"{rest}/jobs/{job_id}", timeout=5).json()
+    return bool(restored) and details["state"] == "RUNNING" and all(
+        v["status"] == "RUNNING" for v in details.get("vertices", []))
+
+
 PROMETHEUS_PORTS = range(9249, 9261)  # metrics.reporter.prom.port in flink-conf/config.yaml
 PROMETHEUS_OPERATOR_PREFIX = "flink_taskmanager_job_task_operator_"
 

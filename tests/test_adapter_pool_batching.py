@@ -135,3 +135,38 @@ def test_the_scheduler_batches_concurrent_requests_across_versions_and_within_sl
     assert sum(rows for rows, _ in batches) == len(cases)
     assert max(rows for rows, _ in batches) > 1, batches
     assert max(versions for _, versions in batches) <= 2 + 1, batches  # two slots (+ the base)
+
+
+@pytest.mark.parametrize("max_wait_ms", [3000, 0], ids=["waits-for-the-rows-in-flight", "control-window-only"])
+def test_after_a_batch_the_scheduler_waits_for_as_many_rows_as_were_in_flight(pool, max_wait_ms):
+    """Closed-loop clients whose next requests come back a little apart join one batch, not
+    cohorts that take turns; with no extra wait (the control) they split, as before."""
+    batches: list[int] = []
+    scheduler = pool.scheduler(window_ms=5, max_batch=16, on_batch=lambda rows, versions: batches.append(rows),
+                               max_wait_ms=max_wait_ms)
+
+    def group(prompt: str) -> Group:
+        return Group([Row(pool.tokenize(prompt), SamplingParams(max_tokens=2))], lambda: ("m/1", "m/1"))
+
+    def answered(group: Group) -> None:
+        while group.events.get(timeout=120)[0] not in ("row", "error"):
+            pass
+
+    try:
+        first = [group(p) for p in PROMPTS[:3]]
+        for g in first:  # within microseconds: one window
+            scheduler.submit(g)
+        for g in first:
+            answered(g)
+        assert batches == [3], batches
+        # The three clients send again 300 ms apart: far beyond the 5 ms window.
+        second = [group(p) for p in PROMPTS[:3]]
+        for i, g in enumerate(second):
+            if i:
+                threading.Event().wait(0.3)  # the clients' think time: the input, not a wait for state
+            scheduler.submit(g)
+        for g in second:
+            answered(g)
+        assert batches[1:] == ([3] if max_wait_ms else [1, 1, 1]), batches
+    finally:
+        scheduler.stop()

@@ -187,6 +187,11 @@ def test_console_shows_gate_scores_and_the_serving_split_feedback_token_posts_fe
         evals = texts('#versions > tbody > tr:nth-child(3) table.eval tr[data-set]')
         assert evals == [["recent", "16", "0.94 / 0.75", "0.210 / 0.520", "passed (tol 0.05)"],
                          ["retained", "32", "0.13 / 0.50 (forgot 0.75)", "1.700 / 0.900", "failed (tol 0.1)"]]
+        # Held-out scores over time: each gated version's own exact match, per set, from its tags.
+        points = browser.execute_script("return [...document.querySelectorAll('#heldout-curve circle.heldout-point')]"
+                                        ".map(c => c.textContent)")
+        assert sorted(points) == sorted(f"v{seq} {s['name']}: exact match {s['candidate']['exact_match']:g}"
+                                        for seq, gate in enumerate(GATES, start=1) for s in gate["sets"])
         save_screenshot(browser, tmp_path / "console-gate-no-server.png")
 
         # The server: half the traffic to the candidate, feedback read from the pipeline's topic.

@@ -26,7 +26,7 @@ from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import kill_group, spawn_logged
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.stack.mlflow import MLflow
-from streamtune.testing import free_port, job_args, job_topics, spec, wait_for, wait_for_records
+from streamtune.testing import free_port, job_args, job_topics, restored_and_running, spec, wait_for, wait_for_records
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.deploy
@@ -289,7 +289,8 @@ def test_taskmanager_killed_while_registering_loses_nothing_registers_nothing_tw
         killed_at_ms = time.time() * 1000
         flink.start_taskmanager()
         wait_for(lambda: victim not in flink.taskmanager_pids() and flink.taskmanager_pids(), 30, "a new TaskManager")
-        wait_for(lambda: _restarted(stack_config, job), 120, "the job to run again after the restart")
+        wait_for(lambda: restored_and_running(stack_config, job) and _restarts(stack_config, job) >= 1, 120,
+                 "the job to run again after the restart")
         producer.join(timeout=120)
     finally:
         stop.set()
@@ -364,13 +365,20 @@ def test_taskmanager_killed_while_training_loses_nothing_trains_nothing_twice(st
     os.kill(victim, signal.SIGKILL)
     flink.start_taskmanager()
     wait_for(lambda: victim not in flink.taskmanager_pids() and flink.taskmanager_pids(), 30, "a new TaskManager")
-    wait_for(lambda: _restarted(stack_config, job), 120, "the job to run again after the restart")
+    wait_for(lambda: restored_and_running(stack_config, job) and _restarts(stack_config, job) >= 1, 120,
+             "the job to run again after the restart")
     restored = requests.get(f"{stack_config.flink_rest_url}/jobs/{job}/checkpoints", timeout=5).json()["latest"]
     assert restored.get("restored"), "the restart restored a checkpoint"
     send_samples(boot, topics["feedback"], windows[3][:1])  # closes window 2
 
     versions = sorted(wait_for_records(boot, topics["versions"], VersionRecord, 3, 240), key=lambda v: v.seq)
-    mvs = wait_for(lambda: (r := registered(client, model_id)) and len(r) >= 3 and r, 120, "3 registered versions")
+    assert len(versions) >= 3, f"training stalled after the restore, {len(versions)} of 3 versions committed: " \
+                               f"{_job_report(stack_config, job)}"
+    try:
+        mvs = wait_for(lambda: (r := registered(client, model_id)) and len(r) >= 3 and r, 240, "3 registered versions")
+    except AssertionError as timeout:
+        raise AssertionError(f"{timeout}: {_job_report(stack_config, job)}; registered "
+                             f"{[mv.tags.get('streamtune.seq') for mv in registered(client, model_id)]}") from None
     # The kill fell before window 1's version was emitted: no copy of it from the killed run
     # exists, even among records of aborted transactions.
     every_copy = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False)
@@ -382,11 +390,15 @@ def test_taskmanager_killed_while_training_loses_nothing_trains_nothing_twice(st
     assert [mv.tags["streamtune.version_id"] for mv in mvs] == [v.version_id for v in versions]
 
 
-def _restarted(stack_config, job_id: str) -> bool:
-    """The job runs again after at least one restart (Flink's REST job details)."""
-    details = requests.get(f"{stack_config.flink_rest_url}/jobs/{job_id}", timeout=5).json()
-    return details["state"] == "RUNNING" and any(
-        v["status"] == "RUNNING" for v in details.get("vertices", [])) and _restarts(stack_config, job_id) >= 1
+def _job_report(stack_config, job_id: str) -> str:
+    """A stuck job as its REST API shows it: state, failures, each vertex's records in and out."""
+    rest = stack_config.flink_rest_url
+    details = requests.get(f"{rest}/jobs/{job_id}", timeout=5).json()
+    history = requests.get(f"{rest}/jobs/{job_id}/exceptions", timeout=5).json().get("exceptionHistory", {})
+    last = [(e.get("exceptionName"), e.get("stacktrace", "")[:400]) for e in history.get("entries", [])[:2]]
+    flow = {v["name"][:40]: (v["status"], v["metrics"]["read-records"], v["metrics"]["write-records"])
+            for v in details.get("vertices", [])}
+    return f"job {details.get('state')}, restarts {_restarts(stack_config, job_id)}, last failures {last}, vertices {flow}"
 
 
 def _restarts(stack_config, job_id: str) -> int:

@@ -223,11 +223,11 @@ def test_serve_scales_on_cpu_and_drains_on_stop():
     assert serve["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
-def test_vllm_overlay_runs_vllm_with_its_follower_and_no_key_in_the_spec():
+def test_vllm_overlay_runs_vllm_with_its_follower_and_server_and_no_key_in_the_spec():
     objects = kustomize("overlays/vllm")
     (pod,) = [o["spec"]["template"]["spec"] for o in objects
               if o["kind"] == "Deployment" and o["metadata"]["name"] == "streamtune-vllm"]
-    vllm, follow = pod["containers"]
+    vllm, follow, serve = pod["containers"]
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in vllm["env"]
     assert "--enable-lora" in vllm["args"][0] and "/etc/vllm/api-key/key" in vllm["args"][0]
@@ -236,7 +236,13 @@ def test_vllm_overlay_runs_vllm_with_its_follower_and_no_key_in_the_spec():
     # Both read the adapter files from one volume; the key only from the mounted Secret.
     assert {m["mountPath"] for m in vllm["volumeMounts"]} >= {"/vllm-adapters", "/etc/vllm/api-key"}
     assert {m["mountPath"] for m in follow["volumeMounts"]} >= {"/vllm-adapters", "/etc/vllm/api-key"}
-    assert not any("api-key" in str(e.get("value", "")) or "KEY" in e["name"] and "value" in e
+    # streamtune serve in front of vLLM: the same files, the key from its file, tokens required.
+    assert serve["command"][-1] == "serve" and serve["args"][serve["args"].index("--engine") + 1] == "vllm"
+    assert serve["args"][serve["args"].index("--vllm-artifact-dir") + 1] == "/vllm-adapters"
+    assert serve["args"][serve["args"].index("--vllm-api-key-file") + 1] == "/etc/vllm/api-key/key"
+    assert {m["mountPath"] for m in serve["volumeMounts"]} >= {"/vllm-adapters", "/etc/streamtune/tokens"}
+    assert not any("api-key" in str(e.get("value", "")) or
+                   "KEY" in e["name"] and "value" in e and not e["name"].endswith("_FILE")
                    for c in pod["containers"] for e in c.get("env", []))
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert {("Service", "streamtune-vllm"), ("Deployment", "streamtune-serve")} <= names

@@ -119,7 +119,7 @@ def registered_versions(api: str, model_id: str) -> list[dict]:
 
 
 def served_version(url: str, model_id: str) -> str | None:
-    """The `<id>/<version>` a completion for the model is produced by (None before one is)."""
+    """The `<id>@v<version>` a completion for the model is produced by (None before one is)."""
     r = requests.post(f"{url}/v1/completions", json={"model": model_id, "prompt": "x=1;y=", "max_tokens": 2},
                       timeout=30, headers=AUTH)
     return r.json()["system_fingerprint"] if r.status_code == 200 else None
@@ -218,14 +218,17 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
               f"CASE WHEN i % 4 = 0 THEN 'draft' ELSE 'approved' END FROM generate_series(1, 8) i")
     # Event time is capture time: a row captured once the first rows' window has passed closes it.
     wait_past_window(stack_config.kafka_bootstrap, f"pipeline.{name}.cdc", 2000, lambda records: len(records) >= 8)
-    psql(dsn, f"INSERT INTO {table} VALUES (100, 'x=9;y=', '10', 'approved')")
-    wait_for(lambda: registered_versions(api, name), 120, "a version in MLflow", interval=2)
+    psql(dsn, f"INSERT INTO {table} SELECT i, 'x=9;y=', '10', 'approved' FROM generate_series(100, 102) i")
+    # A partition the source reaches late can make some of rows 1-8 late for the first window:
+    # they join the next one (rows 100-102's), never dropped. Either way the counts add up.
+    wait_for(lambda: sum(v["samples"] or 0 for v in registered_versions(api, name)) >= 9, 120,
+             "versions of rows 1-8 and 100-102 in MLflow", interval=2)
     versions = streamtune(api, "versions", name)["versions"]
-    assert versions[0]["samples"] == 6, "rows 1-8 less the two drafts"
+    assert sum(v["samples"] or 0 for v in versions) == 9, f"rows 1-8 less the two drafts, and 100-102: {versions}"
     assert "champion" in versions[0]["aliases"]
     server = serve(name)
     assert wait_for(lambda: served_version(server, name), 60, "the version to be served", interval=1) == \
-        f"{name}/{versions[0]['version']}"
+        f"{name}@v{versions[0]['version']}"
 
     # A changed trigger policy is a hot update: same job, same capture.
     file.write_text(yaml.safe_dump({**pipeline, "trigger_policy": {"min_samples_per_window": 2,
@@ -249,8 +252,10 @@ def test_apply_a_postgres_pipeline_rows_become_served_versions_delete_leaves_not
     deleted = streamtune(api, "delete", "-f", str(file))
     assert deleted["job_stopped"] and deleted["savepoint"] and deleted["capture_stopped"]
     assert deleted["job_id"] == resumed_job
-    job = requests.get(f"{stack_config.flink_rest_url}/jobs/{resumed_job}", timeout=5).json()
-    assert job["state"] == "FINISHED", "stopped with a savepoint"
+    # The savepoint is taken when the stop returns; the job reaches FINISHED a moment later.
+    state = lambda: requests.get(f"{stack_config.flink_rest_url}/jobs/{resumed_job}", timeout=5).json()["state"]  # noqa: E731
+    wait_for(lambda: state() in ("FINISHED", "FAILED", "CANCELED"), 60, "the stopped job to end", interval=0.5)
+    assert state() == "FINISHED", "stopped with a savepoint"
     assert not alive(restarted["pid"]) and capture_processes(connector_name(name)) == [], "no capture left behind"
     assert psql(dsn, f"SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{connector_name(name)}'"
                 ).strip() == "0", "the slot is dropped: the server keeps no WAL for a deleted pipeline"

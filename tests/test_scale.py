@@ -21,7 +21,8 @@ from connectors.kafka import create_topic
 from core.messages import FeedbackSample, VersionRecord
 from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.stack.flink import Flink, cancel_job, job_counters, submit_detached
-from streamtune.testing import job_args, job_topics, records_read, scrape_prometheus, spec, wait_for, wait_for_records
+from streamtune.testing import (job_args, job_topics, records_read, restored_and_running, scrape_prometheus, spec, wait_for,
+                                wait_for_records)
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.scale
@@ -34,21 +35,33 @@ MAX_STEP = 8             # so a window trains in two steps: the cut must be the 
 
 
 def produce_partitioned(bootstrap: str, topic: str, samples: list[FeedbackSample], partitions: int,
-                        per_second: float | None = None) -> None:
+                        per_second: float | None = None, progress: dict | None = None) -> None:
     """Samples in event-time order, dealt round-robin over the partitions: each partition is in
     order, and a model's samples are spread over all of them (keys do not pick partitions).
-    With `per_second`, a live stream at that pace; else all at once."""
+    With `per_second`, a live stream at that pace; else all at once. Every send is confirmed
+    (a failed one raises); `progress` counts the confirmed sends and keeps the error."""
     from kafka import KafkaProducer
 
-    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    for i, s in enumerate(samples):
-        p.send(topic, key=s.model_id.encode(), value=s.to_json().encode(), timestamp_ms=s.ts,
-               partition=i % partitions)
-        if per_second:
-            p.flush()
-            time.sleep(1 / per_second)
-    p.flush()
-    p.close()
+    progress = progress if progress is not None else {}
+    progress.update(sent=0, error=None)
+    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all", retries=5)
+    try:
+        pending = []
+        for i, s in enumerate(samples):
+            pending.append(p.send(topic, key=s.model_id.encode(), value=s.to_json().encode(), timestamp_ms=s.ts,
+                                  partition=i % partitions))
+            if per_second:
+                pending.pop().get(timeout=60)
+                progress["sent"] += 1
+                time.sleep(1 / per_second)
+        for future in pending:
+            future.get(timeout=60)
+            progress["sent"] += 1
+    except BaseException as e:
+        progress["error"] = repr(e)
+        raise
+    finally:
+        p.close()
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +95,9 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
     for m in workload["models"]:
         send_config(boot, topics["configs"], spec(m, topics, min_samples=5, window_seconds=2,
                                                   max_samples=MAX_STEP), T0 - 1000)
+    produced: dict = {}
     produce = threading.Thread(target=produce_partitioned, daemon=True, args=(
-        boot, topics["feedback"], workload["records"], PARTITIONS, per_second if live else None))
+        boot, topics["feedback"], workload["records"], PARTITIONS, per_second if live else None, produced))
     if not live:
         produce.run()
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
@@ -103,6 +117,7 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
             during(job, topics, produce)
         if live:
             produce.join(timeout=300)
+        assert produced["sent"] == len(workload["records"]), f"the stream was produced whole: {produced}"
         expected = {s.sample_id for s in workload["samples"]}
 
         # At parallelism 1 the versions are read as committed. With several transactional
@@ -121,7 +136,7 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
         try:
             versions = wait_for(all_trained, 600, "every sample in a committed version", interval=3)
         except AssertionError as timeout:
-            raise AssertionError(f"{timeout}; {_why_stuck(stack_config, job, boot, topics, expected)}") from None
+            raise AssertionError(f"{timeout}; {_why_stuck(stack_config, job, boot, topics, workload)}") from None
         counters = job_counters(stack_config.flink_rest_url, job)
     finally:
         cancel_job(stack_config, job)
@@ -132,20 +147,39 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
     return {"job": job, "versions": by_model, "every_copy": every_copy, "counters": counters}
 
 
-def _why_stuck(stack_config, job: str, boot: str, topics: dict, expected: set[str]) -> str:
+def _why_stuck(stack_config, job: str, boot: str, topics: dict, workload: dict) -> str:
     """What a timed-out run looked like: the job's state, its restarts and last exception, the
-    TaskManagers, and how far training got (committed and written versions)."""
+    TaskManagers, how far training got (committed and written versions), and the samples in no
+    written version, by model and 2 s window."""
     rest = stack_config.flink_rest_url
     details = requests.get(f"{rest}/jobs/{job}", timeout=5).json()
     exceptions = requests.get(f"{rest}/jobs/{job}/exceptions", timeout=5).json()
     history = exceptions.get("exceptionHistory", {}).get("entries", [])
     committed = committed_versions(boot, topics["versions"])
     written = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False)
+    expected = {s.sample_id for s in workload["samples"]}
     trained = {i for v in committed.values() for i in v.lineage.sample_ids}
-    return (f"job {details.get('state')}, {len(history)} failures (last: "
+    written_trained = {i for v in written for i in v.lineage.sample_ids}
+    missing: dict[tuple[str, int], int] = {}
+    for s in workload["samples"]:
+        if s.sample_id not in written_trained:
+            key = (s.model_id, (s.ts - T0) // 2000)
+            missing[key] = missing.get(key, 0) + 1
+    checkpoints = requests.get(f"{rest}/jobs/{job}/checkpoints", timeout=5).json()
+    counts = checkpoints.get("counts", {})
+    latest = ((checkpoints.get("latest") or {}).get("completed") or {}).get("latest_ack_timestamp", 0)
+    # Records in and out per vertex: a trainer that holds its input and writes nothing hangs;
+    # versions written out but not read back point at the reader.
+    flow = {v["name"][:40]: (v["metrics"]["read-records"], v["metrics"]["write-records"])
+            for v in details.get("vertices", [])}
+    return (f"checkpoints {counts} (last completed {time.time() - latest / 1000:.0f} s ago), "
+            f"records (in, out) {flow}; "
+            f"job {details.get('state')}, {len(history)} failures (last: "
             f"{(history[0].get('exceptionName'), history[0].get('stacktrace', '')[:600]) if history else None}), "
             f"{_registered_taskmanagers(stack_config)} TaskManagers, {len(committed)} versions committed and "
-            f"{len(written)} written, {len(trained & expected)}/{len(expected)} samples trained")
+            f"{len(written)} written ({len({v.version_id for v in written})} ids), "
+            f"{len(trained & expected)}/{len(expected)} samples in committed versions and "
+            f"{len(written_trained & expected)} in written ones; missing (model, window): samples {missing}")
 
 
 def written_versions(bootstrap: str, topic: str) -> dict[str, VersionRecord]:
@@ -251,7 +285,7 @@ def test_taskmanager_killed_mid_stream_at_parallelism_4_gives_the_same_versions(
         # restore waits for the survivor's slots, which free up only once the cancelled tasks'
         # Python workers have stopped: minutes on two loaded cores, once past a 400 s wait.
         flink.start_taskmanager()
-        wait_for(lambda: _restarted_from_checkpoint(stack_config, job), 300, "the job to restore a checkpoint")
+        wait_for(lambda: restored_and_running(stack_config, job), 300, "the job to restore a checkpoint")
 
     # A slower stream (about 30 s): the kill must fall while it still flows, on two loaded cores.
     run = run_job(stack_config, base_model, tmp_path, workload, "p4kill", PARTITIONS, live=True, during=kill_one,
@@ -278,14 +312,6 @@ def _latest_checkpoint_ms(stack_config, job: str) -> int:
     """When the job's latest completed checkpoint was triggered (0: none yet)."""
     checkpoints = requests.get(f"{stack_config.flink_rest_url}/jobs/{job}/checkpoints", timeout=5).json()
     return ((checkpoints.get("latest") or {}).get("completed") or {}).get("trigger_timestamp", 0)
-
-
-def _restarted_from_checkpoint(stack_config, job: str) -> bool:
-    details = requests.get(f"{stack_config.flink_rest_url}/jobs/{job}", timeout=5).json()
-    checkpoints = requests.get(f"{stack_config.flink_rest_url}/jobs/{job}/checkpoints", timeout=5).json()
-    restored = (checkpoints.get("latest") or {}).get("restored")
-    return details["state"] == "RUNNING" and bool(restored) and all(
-        v["status"] == "RUNNING" for v in details["vertices"])
 
 
 def test_a_model_whose_data_stops_gets_its_last_version_within_the_bound(stack_config, base_model, tmp_path, unique):

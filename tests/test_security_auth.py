@@ -51,10 +51,11 @@ API_ROUTES = {
     ("POST", "/v1/pipelines"): "admin", ("GET", "/v1/pipelines"): "read", ("GET", "/v1/pipelines/{name}"): "read",
     ("DELETE", "/v1/pipelines/{name}"): "admin", ("POST", "/v1/pipelines/{name}/pause"): "admin",
     ("POST", "/v1/pipelines/{name}/resume"): "admin", ("GET", "/v1/pipelines/{name}/dlq"): "read",
+    ("POST", "/v1/pipelines/preview"): "admin", ("POST", "/v1/pipelines/render"): "read",
     ("GET", "/openapi.json"): "read", ("GET", "/docs"): "read", ("GET", "/docs/oauth2-redirect"): "read",
     ("GET", "/redoc"): "read",
     ("GET", "/healthz"): "public", ("GET", "/console"): "public", ("GET", "/console/console.js"): "public",
-    ("GET", "/feedback.js"): "public",
+    ("GET", "/console/editor.js"): "public", ("GET", "/feedback.js"): "public",
 }
 SERVE_ROUTES = {
     ("POST", "/v1/completions"): "inference", ("POST", "/v1/chat/completions"): "inference",

@@ -273,8 +273,10 @@ def test_responses_no_server_signed_are_not_judged(rollout, serve, defence):
         wait_for(lambda: server.decisions("candidate_removed"), 30, "the guard to remove the candidate", 0.2)
         assert "candidate" not in r.aliases()
         return
-    g = wait_for(lambda: (g := server.guard())["counts"]["unsigned"] >= len(forged) and g, 30,
-                 "the guard to read every forged record", 0.2)
+    # The guard reads the two topics side by side: wait for both counts, not one.
+    g = wait_for(lambda: (g := server.guard())["counts"]["unsigned"] >= len(forged)
+                 and g["counts"]["unsigned_responses"] >= len(forged) and g, 30,
+                 "the guard to read every forged record and feedback event", 0.2)
     assert g["counts"]["unsigned_responses"] == len(forged) and g["counts"]["judged"] == 0, g
     assert g["decisions"] == [] and r.aliases() == {"champion": 1, "candidate": 2}
 

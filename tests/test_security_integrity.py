@@ -241,7 +241,7 @@ def test_serving_answers_409_naming_the_changed_file(rule, adapter, stack_config
 
         wait_for(ready, 120, "streamtune serve to catch up on the broadcasts", interval=0.2)
         answers = {name: requests.post(f"{url}/v1/completions", headers=auth, timeout=60,
-                                       json={"model": f"{model_id}/{version}", "prompt": "x=1234;y=", "max_tokens": 2})
+                                       json={"model": f"{model_id}@v{version}", "prompt": "x=1234;y=", "max_tokens": 2})
                    for name, version in versions.items()}
     finally:
         kill_group(server)

@@ -104,7 +104,7 @@ def test_completions_chat_usage_and_the_version_named(server):
     client, model_id = server["client"], server["model_id"]
     tokenizer = AutoTokenizer.from_pretrained(str(server["base"]), local_files_only=True)
     r = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=6)
-    assert r.object == "text_completion" and r.system_fingerprint == f"{model_id}/2"
+    assert r.object == "text_completion" and r.system_fingerprint == f"{model_id}@v2"
     assert len(r.choices) == 1 and r.choices[0].finish_reason in ("stop", "length")
     prompt_tokens = len(tokenizer(PROMPTS[0])["input_ids"])
     assert r.usage.prompt_tokens == prompt_tokens > 0
@@ -118,12 +118,12 @@ def test_completions_chat_usage_and_the_version_named(server):
                                      temperature=0).choices[0].text == r.choices[0].text
 
     messages = [{"role": "user", "content": "x=1234;y="}]
-    chat = client.chat.completions.create(model=f"{model_id}/1", messages=messages, max_tokens=6)
-    assert chat.object == "chat.completion" and chat.system_fingerprint == f"{model_id}/1"
+    chat = client.chat.completions.create(model=f"{model_id}@v1", messages=messages, max_tokens=6)
+    assert chat.object == "chat.completion" and chat.system_fingerprint == f"{model_id}@v1"
     assert chat.choices[0].message.role == "assistant" and chat.id.startswith("chatcmpl-")
     chat_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat.usage.prompt_tokens == len(tokenizer(chat_prompt)["input_ids"])
-    same = client.completions.create(model=f"{model_id}/1", prompt=chat_prompt, max_tokens=6)
+    same = client.completions.create(model=f"{model_id}@v1", prompt=chat_prompt, max_tokens=6)
     assert chat.choices[0].message.content == same.choices[0].text
 
 
@@ -135,7 +135,7 @@ def test_streaming_sends_chunks_as_decoded_and_equals_the_whole_answer(server):
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len([t for t in texts if t]) > 1, chunks
     assert "".join(texts) == whole.choices[0].text
-    assert all(c.system_fingerprint == f"{model_id}/2" for c in chunks)
+    assert all(c.system_fingerprint == f"{model_id}@v2" for c in chunks)
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
@@ -160,7 +160,7 @@ def test_time_to_first_token_comes_before_the_end(server):
     client, model_id = server["client"], server["model_id"]
     started = time.perf_counter()
     arrivals = []
-    for chunk in client.completions.create(model=f"{model_id}/1", prompt=PROMPTS[3], max_tokens=200,
+    for chunk in client.completions.create(model=f"{model_id}@v1", prompt=PROMPTS[3], max_tokens=200,
                                            stop=None, stream=True):
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter() - started)
@@ -207,7 +207,7 @@ def test_errors_are_openai_errors(server):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=f"{model_id}/99", prompt="x", max_tokens=2, stream=True)
+        client.completions.create(model=f"{model_id}@v99", prompt="x", max_tokens=2, stream=True)
     for bad in ({"temperature": 3.0}, {"top_p": 0}, {"n": 9}, {"stop": ["a", "b", "c", "d", "e"]},
                 {"max_tokens": 0}):
         with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)) as e:
@@ -219,7 +219,7 @@ def test_errors_are_openai_errors(server):
 
 def test_concurrent_requests_are_batched_across_versions_and_equal_each_alone(server):
     client, model_id = server["client"], server["model_id"]
-    models = ["base", f"{model_id}/1", f"{model_id}/2"]
+    models = ["base", f"{model_id}@v1", f"{model_id}@v2"]
     cases = [(models[i % 3], PROMPTS[i % len(PROMPTS)], 4 + i % 5) for i in range(16)]
     alone = {case: client.completions.create(model=case[0], prompt=case[1], max_tokens=case[2])
              for case in set(cases)}
@@ -276,7 +276,7 @@ def test_a_latency_budget_takes_the_accurate_path_only_when_it_fits(server):
     assert (d["path"], d["reason"]) == ("fast", "no slo")
     body, d = ask({"X-Streamtune-SLO-Ms": "60000"})
     assert (d["path"], d["reason"], d["candidates"]) == ("accurate", "below threshold", 5), d
-    assert body["system_fingerprint"] == f"{model_id}/2", "one version answers both paths"
+    assert body["system_fingerprint"] == f"{model_id}@v2", "one version answers both paths"
     assert body["streamtune"]["mean_logprob"] >= fast["streamtune"]["mean_logprob"] == d["confidence"]
     body, d = ask({}, {"streamtune": {"slo_ms": 60000}})
     assert d["path"] == "accurate", "the budget in the body works as the header"
@@ -301,7 +301,7 @@ def test_sigterm_finishes_the_streams_in_flight_then_exits(server):
     def stream(i: int) -> None:
         text, reason = "", None
         try:
-            for chunk in client.completions.create(model=f"{model_id}/1", prompt=PROMPTS[3], max_tokens=200,
+            for chunk in client.completions.create(model=f"{model_id}@v1", prompt=PROMPTS[3], max_tokens=200,
                                                    stop=None, stream=True):
                 started[i].set()
                 if chunk.choices:

@@ -191,7 +191,7 @@ def test_steady_load_through_twenty_versions_sees_no_failure_no_stale_and_no_mix
     assert len(load) >= 200 and len(served) >= 5, served
     stale = [r for r in load if r["version"] < r["acked"]]
     assert not stale, f"answered by a version older than the one acknowledged before the request: {stale[:3]}"
-    assert all(r["fingerprint"] == f"{trained['model_id']}/{r['version']}" for r in load)
+    assert all(r["fingerprint"] == f"{trained['model_id']}@v{r['version']}" for r in load)
     reference = Reference(base_model, trained["store"])
     for r in load:
         text, mean_logprob = reference.answer(by_version[r["version"]], r["prompt"])
@@ -249,7 +249,7 @@ def test_late_server_rollback_within_a_second_and_tampered_artifact_refused(trai
         assert server_b.model(model_id)["aliases"]["champion"] == previous
         r = server_b.complete(model_id, PROMPTS[2])
         assert r.status_code == 200 and r.json()["streamtune"]["version"] == previous, r.text
-        pinned = server_b.complete(f"{model_id}/{tampered}", PROMPTS[2])
+        pinned = server_b.complete(f"{model_id}@v{tampered}", PROMPTS[2])
         assert pinned.status_code == 409 and "sha256" in pinned.text, pinned.text
         metrics = requests.get(f"{server_b.url}/metrics", timeout=10, headers=AUTH).text
         assert re.search(r"^streamtune_serve_refused_versions_total 1\.0$", metrics, re.M), metrics[:2000]
@@ -350,7 +350,7 @@ def test_flink_inference_job_answers_with_broadcast_versions(trained, base_model
     champion = max(b.mlflow_version for b in trained["broadcasts"] if "champion" in b.aliases)
     pinned = max(by_version)  # (another test tampers with the oldest non-champion version's artifact)
     asks = [{"request_id": "r-champion", "model": model_id, "prompt": PROMPTS[0], "max_tokens": 6},
-            {"request_id": "r-pinned", "model": f"{model_id}/{pinned}", "prompt": PROMPTS[1], "max_tokens": 6},
+            {"request_id": "r-pinned", "model": f"{model_id}@v{pinned}", "prompt": PROMPTS[1], "max_tokens": 6},
             {"request_id": "r-base", "model": "base", "prompt": PROMPTS[2], "max_tokens": 6},
             {"request_id": "r-unknown", "model": "no-such-model", "prompt": "x", "max_tokens": 6},
             {"request_id": "r-bad-name", "model": "../x", "prompt": "x"}]

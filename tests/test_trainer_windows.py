@@ -88,6 +88,35 @@ def test_a_window_holds_the_same_samples_however_the_partitions_interleave(base,
     assert [v.trigger for v in versions] == ["max_samples"] * 6
 
 
+def test_an_earlier_window_arriving_after_a_later_one_still_closes_on_its_own(base, tmp_path):
+    """A fast partition delivers a window-1 sample before a slow one delivers window 0's (on a
+    restore's backlog, or once a partition was idle): window 0 still closes alone when the
+    watermark passes it, as it does when the samples come in order. Seen at parallelism 4 after
+    a TaskManager kill: window 0 merged into window 1, unlike parallelism 1."""
+    spec = window_spec("order")  # windows of 1 s, at least 4 samples
+    fn, ctx = trainer_function(base, tmp_path), KeyedTimers("order")
+    out = list(fn.process_element(("config", "order", spec.to_json(), "configs", 0, 0, T0 - 1), ctx))
+    pairs = digit_pairs(8, seed=9)
+
+    def record(i: int, ts: int, partition: int) -> tuple:
+        prompt, completion = pairs[i]
+        body = FeedbackSample(model_id="order", sample_id=f"s{i}", prompt=prompt, completion=completion, ts=ts)
+        return ("sample", "order", body.to_json(), "feedback", partition, i, ts)
+
+    def feed(records: list[tuple], watermark: int) -> None:
+        for r in records:
+            out.extend(fn.process_element(r, ctx))
+        ctx.domain = TimeDomain.EVENT_TIME
+        for t in ctx.due_event_timers(watermark):
+            out.extend(fn.on_timer(t, ctx))
+
+    feed([record(0, T0 + 1500, 0)], T0 - 1)                                # window 1, from the fast partition
+    feed([record(i, T0 + 100 * i, 1) for i in range(1, 5)], T0 - 1)        # window 0, from the slow one
+    feed([record(i, T0 + 1500 + 10 * i, 0) for i in range(5, 8)], T0 + 1000)  # the watermark passes window 0
+    versions = [VersionRecord.from_json(r) for r in out if isinstance(r, str)]
+    assert [(v.window_end, sorted(v.lineage.sample_ids)) for v in versions] == [(T0 + 1000, ["s1", "s2", "s3", "s4"])]
+
+
 def test_a_quiet_models_windows_close_on_the_idle_timer(base, tmp_path):
     fn, ctx = trainer_function(base, tmp_path, idle_close_ms=5000), KeyedTimers("quiet", now_ms=10_000)
     spec = window_spec("quiet")

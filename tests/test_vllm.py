@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -230,7 +231,7 @@ def test_vllm_follows_versions_and_aliases(tmp_path):
         target.on_alias(MODEL_ID, "champion", 1, files[0])
         timings["first_alias_total_s"] = target.last_timings["total_s"]
         check(f"{MODEL_ID}@champion", 1)
-        check(f"{MODEL_ID}/1", 1)
+        check(f"{MODEL_ID}@v1", 1)
 
         swaps = []
         for version, index in ((2, 1), (1, 0)):
@@ -265,19 +266,19 @@ def test_vllm_follows_versions_and_aliases(tmp_path):
             swaps[-1].update(calls=sum(len(c.calls) for c in callers), straddling=len(during), mixed=len(mixed))
 
         models = server.models()
-        assert {f"{MODEL_ID}/1", f"{MODEL_ID}/2", f"{MODEL_ID}@champion"} <= set(models), sorted(models)
+        assert {f"{MODEL_ID}@v1", f"{MODEL_ID}@v2", f"{MODEL_ID}@champion"} <= set(models), sorted(models)
         assert models[f"{MODEL_ID}@champion"]["root"] == str(target.version_dir(MODEL_ID, 1))
-        check(f"{MODEL_ID}/2", 2)  # a client pinned to a version keeps it while the alias moves
+        check(f"{MODEL_ID}@v2", 2)  # a client pinned to a version keeps it while the alias moves
 
         # Pruning: `candidate` moves on through versions 3 and 4 (copies of 2 and 1's files);
         # version 2 is then neither aliased nor among the newest two, and is unloaded.
         target.on_alias(MODEL_ID, "candidate", 3, files[1])
         target.on_alias(MODEL_ID, "candidate", 4, files[0])
-        versioned = sorted(name for name in server.models() if name.startswith(f"{MODEL_ID}/"))
-        assert versioned == [f"{MODEL_ID}/1", f"{MODEL_ID}/3", f"{MODEL_ID}/4"], versioned
+        versioned = sorted(name for name in server.models() if re.fullmatch(re.escape(MODEL_ID) + r"@v[0-9]+", name))
+        assert versioned == [f"{MODEL_ID}@v1", f"{MODEL_ID}@v3", f"{MODEL_ID}@v4"], versioned
         check(f"{MODEL_ID}@candidate", 1)
         check(f"{MODEL_ID}@champion", 1)
-        assert server.complete(f"{MODEL_ID}/2", PROMPTS[0]).status_code == 404
+        assert server.complete(f"{MODEL_ID}@v2", PROMPTS[0]).status_code == 404
 
         # A version directory is immutable: other bytes under a known version are refused.
         with pytest.raises(ArtifactIntegrityError, match="immutable"):
@@ -287,7 +288,7 @@ def test_vllm_follows_versions_and_aliases(tmp_path):
         config = json.loads(too_big["adapter_config.json"])
         config["r"] = 2 * RANK
         too_big["adapter_config.json"] = json.dumps(config).encode()
-        with pytest.raises(ArtifactIntegrityError, match=f"{MODEL_ID}/5"):
+        with pytest.raises(ArtifactIntegrityError, match=f"{MODEL_ID}@v5"):
             target.on_alias(MODEL_ID, "champion", 5, too_big)
         assert server.models()[f"{MODEL_ID}@champion"]["root"] == str(target.version_dir(MODEL_ID, 1))
         check(f"{MODEL_ID}@champion", 1)
@@ -300,7 +301,7 @@ def test_vllm_follows_versions_and_aliases(tmp_path):
 
         # The cost of `load_inplace` on an alias: vLLM reloads it at every engine step.
         latency = {}
-        for name in (f"{MODEL_ID}@champion", f"{MODEL_ID}/1"):
+        for name in (f"{MODEL_ID}@champion", f"{MODEL_ID}@v1"):
             samples = []
             for _ in range(10):
                 t = time.perf_counter()

@@ -120,7 +120,7 @@ def test_follow_keeps_vllm_answering_each_champion_as_peft_does_across_a_vllm_re
             register(stack_config, model_id, topic, store, base, version, files[version - 1])
             wait_for(lambda: answering_as(f"{model_id}@champion", version), 120,
                      f"vLLM to answer {model_id}@champion as PEFT v{version}", interval=1)
-            assert answering_as(f"{model_id}/{version}", version), "the pinned name answers its version"
+            assert answering_as(f"{model_id}@v{version}", version), "the pinned name answers its version"
             assert answering_as(model_id, version), "the bare model id is the champion"
 
         # vLLM restarts and forgets every adapter: the sidecar notices and loads them again.

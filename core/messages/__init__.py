@@ -24,13 +24,13 @@ from core.messages.dead_letter import DeadLetter, SourcePosition
 from core.messages.feedback import FeedbackSample
 from core.messages.inference import InferenceRecord
 from core.messages.review import ReviewRecord
-from core.messages.spec import (AdapterConfig, EvaluationConfig, EwcConfig, FinetuneSpec, PseudoLabelConfig, ReplayConfig,
+from core.messages.spec import (AdapterConfig, AdaptiveGranularity, EvaluationConfig, EwcConfig, FinetuneSpec, PseudoLabelConfig, ReplayConfig,
                                  RetentionPolicy, TrainingConfig, TriggerPolicy)
 from core.messages.trigger import RetrainTrigger
-from core.messages.version import (EvalScore, EvalSetResult, GateDecision, Lineage, OffsetRange, VersionMetrics,
+from core.messages.version import (EvalScore, EvalSetResult, GateDecision, GranularityDecision, Lineage, OffsetRange, VersionMetrics,
                                   VersionRecord)
 
 __all__ = ["AliasMove", "MODEL_ID", "Message", "decode", "describe_error", "is_model_id", "AdapterVersionBroadcast", "ChangeEnvelope",
            "ChangeOrigin", "ChangeSource", "Retraction", "DeadLetter", "SourcePosition", "FeedbackSample", "InferenceRecord",
-           "AdapterConfig", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "PseudoLabelConfig", "ReplayConfig", "RetentionPolicy", "ReviewRecord", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
-           "OffsetRange", "VersionMetrics", "VersionRecord", "EvalScore", "EvalSetResult", "GateDecision"]
+           "AdapterConfig", "AdaptiveGranularity", "EvaluationConfig", "EwcConfig", "FinetuneSpec", "PseudoLabelConfig", "ReplayConfig", "RetentionPolicy", "ReviewRecord", "TrainingConfig", "TriggerPolicy", "RetrainTrigger", "Lineage",
+           "OffsetRange", "VersionMetrics", "VersionRecord", "EvalScore", "EvalSetResult", "GateDecision", "GranularityDecision"]

@@ -45,6 +45,7 @@ Every size in a spec has a cap, so one spec cannot make a TaskManager allocate w
 | trigger_policy.min_samples_per_window   | 1 .. 100,000         | samples held in keyed state per window       |
 | trigger_policy.window_seconds           | 1 .. 86,400          | samples held until the window closes         |
 | trigger_policy.max_samples_per_step     | 1 .. 100,000         | one step's batch in memory                   |
+| trigger_policy.adaptive.min_samples_low / _high | 2 .. 100,000, low >= 2 x micro_batch_size, high <= max_samples_per_step | one step's batch in memory |
 | training.micro_batch_size               | 1 .. 4,096           | activations per forward pass                 |
 | training.flush_every                    | 1 .. 1,024           | micro-batches accumulated per step           |
 | training.max_seq_len (tokens)           | 8 .. 32,768          | activations grow with it                     |
@@ -122,16 +123,73 @@ class AdapterConfig(Message):
         return f"r{self.rank}:" + ",".join(sorted(self.target_modules))
 
 
+class AdaptiveGranularity(Message):
+    """Bounds and thresholds of `trigger_policy.mode: adaptive` (operators/granularity.py).
+
+    Each step's size (samples) is the gradient noise scale B_simple = tr(Σ)/|G|² of
+    McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", estimated from the
+    LoRA gradients of the previous steps' micro-batches and clamped to
+    [min_samples_low, min_samples_high]: consistent gradients, small steps; noisy ones,
+    larger steps. A loss shift (the new window's loss `shift_z` standard deviations above
+    its running mean) drops the size to min_samples_low at once.
+
+    >>> AdaptiveGranularity(min_samples_low=8, min_samples_high=64).shift_z
+    3.0
+    >>> AdaptiveGranularity.from_dict({"min_samples_low": 64, "min_samples_high": 8})
+    Traceback (most recent call last):
+    ...
+    core.errors.InvalidMessage: (root): Value error, trigger_policy.adaptive: min_samples_low (64) must be <= min_samples_high (8)
+    """
+
+    min_samples_low: int = Field(ge=2, le=100_000)
+    min_samples_high: int = Field(ge=2, le=100_000)
+    # Weight of the older estimate in the running means of |G|² and tr(Σ) (the paper's
+    # estimators are unbiased but noisy one step at a time).
+    noise_decay: float = Field(default=0.8, ge=0.0, lt=1.0)
+    shift_z: float = Field(default=3.0, gt=0.0, le=1000.0, allow_inf_nan=False)
+    loss_decay: float = Field(default=0.8, ge=0.0, lt=1.0)  # of the running loss mean and variance
+    warmup_steps: int = Field(default=3, ge=1, le=1000)     # steps before a loss shift can be called
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AdaptiveGranularity":
+        if self.min_samples_low > self.min_samples_high:
+            raise ValueError(f"trigger_policy.adaptive: min_samples_low ({self.min_samples_low}) must be <= "
+                             f"min_samples_high ({self.min_samples_high})")
+        return self
+
+
 class TriggerPolicy(Message):
     min_samples_per_window: int = Field(ge=1, le=100_000)
     window_seconds: int = Field(ge=1, le=86400)
     max_samples_per_step: int = Field(default=1024, ge=1, le=100_000)
+    # None (absent) or "fixed": every window fires at min_samples_per_window, in steps of at
+    # most max_samples_per_step. "adaptive": the step size follows the stream (`adaptive`),
+    # starting at min_samples_per_window.
+    mode: Optional[Literal["fixed", "adaptive"]] = None
+    adaptive: Optional[AdaptiveGranularity] = None
 
     @model_validator(mode="after")
     def _cap_above_min(self) -> "TriggerPolicy":
         if self.max_samples_per_step < self.min_samples_per_window:
             raise ValueError("max_samples_per_step must be >= min_samples_per_window")
+        if self.mode == "adaptive":
+            a = self.adaptive
+            if a is None:
+                raise ValueError("trigger_policy.mode adaptive needs trigger_policy.adaptive "
+                                 "{min_samples_low, min_samples_high}")
+            if not a.min_samples_low <= self.min_samples_per_window <= a.min_samples_high:
+                raise ValueError(f"trigger_policy.min_samples_per_window ({self.min_samples_per_window}), the first "
+                                 f"step's size, must lie within adaptive [{a.min_samples_low}, {a.min_samples_high}]")
+            if a.min_samples_high > self.max_samples_per_step:
+                raise ValueError(f"trigger_policy.adaptive.min_samples_high ({a.min_samples_high}) must be <= "
+                                 f"max_samples_per_step ({self.max_samples_per_step})")
+        elif self.adaptive is not None:
+            raise ValueError("trigger_policy.adaptive is set but mode is not adaptive: set mode: adaptive or drop it")
         return self
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.mode == "adaptive"
 
 
 class TrainingConfig(Message):
@@ -241,6 +299,15 @@ class FinetuneSpec(Message):
     pseudo_labels: Optional[PseudoLabelConfig] = None
     retention: Optional[RetentionPolicy] = None  # None: RetentionPolicy()'s default
 
+    @model_validator(mode="after")
+    def _adaptive_sees_micro_batches(self) -> "FinetuneSpec":
+        adaptive = self.trigger_policy.adaptive if self.trigger_policy.is_adaptive else None
+        if adaptive and adaptive.min_samples_low < 2 * self.training.micro_batch_size:
+            raise ValueError(f"trigger_policy.adaptive.min_samples_low ({adaptive.min_samples_low}) must be at least "
+                             f"2 x training.micro_batch_size ({self.training.micro_batch_size}): the gradient noise "
+                             "statistic compares the micro-batches of a step")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _redact_refused_secret(cls, data):
@@ -276,5 +343,8 @@ class FinetuneSpec(Message):
         for optional in ("evaluation", "replay", "ewc", "pseudo_labels", "retention"):  # absent sections leave the hash of older specs as it was
             if fields[optional] is None:
                 del fields[optional]
+        for optional in ("mode", "adaptive"):  # the same for the trigger policy's adaptive mode
+            if fields["trigger_policy"][optional] is None:
+                del fields["trigger_policy"][optional]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

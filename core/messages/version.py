@@ -17,6 +17,13 @@ numbers it compared (records without `gate` stay valid: the registrar's loss rul
 (False, 'eval', [('recent', 0.9, 0.1, True), ('retained', 0.2, 1.0, False)])
 >>> g.sets[1].candidate.forgotten
 0.8
+
+With `trigger_policy.mode: adaptive` the record says which size the step was cut to and
+which statistic chose it (older records, without `granularity`, stay valid):
+
+>>> d = VersionRecord.model_validate({**EXAMPLE, "granularity": GRANULARITY_EXAMPLE}).granularity
+>>> d.size, d.rule, d.statistic, d.bounds
+(16, 'noise_scale', 15.7, (8, 64))
 """
 
 from __future__ import annotations
@@ -71,6 +78,27 @@ class GateDecision(Message):
     sets: list[EvalSetResult] = []
 
 
+class GranularityDecision(Message):
+    """With `trigger_policy.mode: adaptive`: the size this step was cut to, and why.
+
+    `rule`: initial (no statistic yet: min_samples_per_window), noise_scale (the gradient
+    noise scale B_simple of the steps before, clamped to the bounds), loss_shift (the loss
+    of the window before rose `threshold` standard deviations above its running mean:
+    min_samples_low). `statistic` is the value the rule compared, `threshold` what it was
+    compared with (the bounds, for noise_scale). `measured_noise_scale` is this step's own
+    estimate, which sizes the next step.
+    """
+
+    size: int = Field(ge=1)
+    rule: Literal["initial", "noise_scale", "loss_shift"]
+    statistic: Optional[float] = None
+    threshold: Optional[float] = None
+    bounds: tuple[int, int]
+    reason: str
+    measured_noise_scale: Optional[float] = None
+    loss_z: Optional[float] = None  # this step's loss against the running mean, in standard deviations
+
+
 class OffsetRange(Message):
     topic: str
     partition: int
@@ -108,6 +136,7 @@ class VersionRecord(Message):
     trigger: Literal["window", "max_samples", "forced"]
     gate: Optional[GateDecision] = None  # with the spec's evaluation section: the promotion decision
     retention: Optional[RetentionPolicy] = None  # the spec's; None: the default policy applies
+    granularity: Optional[GranularityDecision] = None  # trigger_policy.mode adaptive: the step's size and why
 
 
 EXAMPLE = {
@@ -130,4 +159,9 @@ GATE_EXAMPLE = {
               "champion": {"exact_match": 0.1, "loss": 2.0}, "tolerance": 0.0, "passed": True},
              {"name": "retained", "size": 64, "candidate": {"exact_match": 0.2, "loss": 1.9, "forgotten": 0.8},
               "champion": {"exact_match": 1.0, "loss": 0.1}, "tolerance": 0.05, "passed": False}],
+}
+
+GRANULARITY_EXAMPLE = {
+    "size": 16, "rule": "noise_scale", "statistic": 15.7, "bounds": [8, 64], "measured_noise_scale": 21.3,
+    "reason": "gradient noise scale 15.7 within [8, 64]: steps of 16 samples",
 }

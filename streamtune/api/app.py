@@ -38,6 +38,7 @@ from .gateway import StackGateway
 from .jobs_file import JobsFile, PromotionLog
 from .pipelines import resume_captures
 from .pipelines import router as pipelines_router
+from .preview import router as preview_router
 from .routes import EXCEPTION_HANDLERS, ControlPlane, router
 
 log = logging.getLogger("streamtune.api")
@@ -137,6 +138,8 @@ def add_console(app: FastAPI) -> None:
     app.add_api_route("/console", static("index.html", "text/html"), methods=["GET"], include_in_schema=False)
     app.add_api_route("/console/console.js", static("console.js", "text/javascript"), methods=["GET"],
                       include_in_schema=False)
+    app.add_api_route("/console/editor.js", static("editor.js", "text/javascript"), methods=["GET"],
+                      include_in_schema=False)
     app.add_api_route("/feedback.js", static("feedback.js", "text/javascript"), methods=["GET"],
                       include_in_schema=False)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
@@ -144,7 +147,7 @@ def add_console(app: FastAPI) -> None:
 
 # Routes no token guards: they hold no data (streamtune.auth). The OpenAPI document and its
 # pages describe the API: `read`.
-PUBLIC_PATHS = ("/console", "/console/console.js", "/feedback.js", "/healthz")
+PUBLIC_PATHS = ("/console", "/console/console.js", "/console/editor.js", "/feedback.js", "/healthz")
 DOC_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 
 
@@ -270,6 +273,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                                            captures=captures, pipelines_dir=settings.stack.home / "api" / "pipelines")
     app.include_router(router)
     app.include_router(pipelines_router)
+    app.include_router(preview_router)
     add_console(app)
     route_table(app, PUBLIC_PATHS, DOC_PATHS)  # ConfigError now for a route that declares no scope
     # Outermost last: CORS (answers preflights), then auth (before the body is even read), then the body limit.

@@ -20,7 +20,7 @@ unsigned one answers 401. Every error answers OpenAI's error object,
 exception (401 AuthenticationError, 403 PermissionDeniedError, 404 NotFoundError, ...).
 
 Each response names the version that produced it (`system_fingerprint` is
-`<model_id>/<version>`, or `base`) and carries `streamtune.audit_trace`: routing, adapter
+`<model_id>@v<version>`, or `base`) and carries `streamtune.audit_trace`: routing, adapter
 version (with sha256), base model.
 
 Completions as the official `openai` client knows them: `prompt` a string or a list of up to
@@ -67,7 +67,8 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.errors import ArtifactIntegrityError, ConfigError
+from core.errors import ArtifactIntegrityError, ConfigError, ServiceUnavailable
+from core.routing import pinned_name
 from streamtune.auth import AccessPolicy, AuthMiddleware, RequireScope, TokenStore, route_table
 
 from operators.batched_decoding import SamplingParams
@@ -164,7 +165,7 @@ def _usage(answer: Answer) -> dict:
 
 
 def _fingerprint(answer: Answer) -> str:
-    return "base" if answer.version is None else f"{answer.model_id}/{answer.version}"
+    return "base" if answer.version is None else pinned_name(answer.model_id, answer.version)
 
 
 def _sse(data) -> str:
@@ -251,6 +252,10 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
     @app.exception_handler(ModelNotFound)
     async def not_found(request: Request, e: ModelNotFound):
         return JSONResponse(openai_error(404, str(e), code="model_not_found", param="model"), 404)
+
+    @app.exception_handler(ServiceUnavailable)
+    async def unavailable(request: Request, e: ServiceUnavailable):
+        return JSONResponse(openai_error(503, str(e), type="service_unavailable"), 503)
 
     @app.exception_handler(ArtifactIntegrityError)
     async def refused(request: Request, e: ArtifactIntegrityError):
@@ -363,6 +368,8 @@ def create_app(served: ServedModels, access: AccessPolicy | Optional[str] = None
 
     @app.get("/readyz")
     def readyz():
+        if served.draining:
+            return JSONResponse({"status": "draining: shutting down soon"}, 503)
         if not served.follower.caught_up:
             return JSONResponse({"status": "catching up on adapter versions",
                                  "errors": served.follower.errors[-3:]}, 503)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from core import defaults
@@ -27,8 +28,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--candidate-fraction must be between 0 and 1")
     if args.slots < 1 or args.cpu_cache < 1:
         raise ConfigError("--slots and --cpu-cache must be at least 1")
-    if args.max_batch < 1 or args.batch_window_ms < 0:
-        raise ConfigError("--max-batch must be at least 1 and --batch-window-ms at least 0")
+    if args.max_batch < 1 or args.batch_window_ms < 0 or args.batch_max_wait_ms < 0:
+        raise ConfigError("--max-batch must be at least 1, --batch-window-ms and --batch-max-wait-ms at least 0")
     # Tokens and who may call what: streamtune.auth (ConfigError: no token beyond loopback).
     access = AccessPolicy(TokenStore(tokens_file=args.tokens_file, token_file=args.token_file), args.host,
                           args.insecure, "streamtune serve")
@@ -56,11 +57,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              inference_log_topic=log_topic, guard=guard,
                              webhook_url=None if args.no_registry or args.no_webhook else webhook_url(args),
                              response_signing_key=response_signing_key(args),
-                             batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
+                             batch_window_ms=args.batch_window_ms, batch_max_wait_ms=args.batch_max_wait_ms,
+                             max_batch=args.max_batch,
                              confidence_thresholds=parse_thresholds(args.confidence_threshold))
+    if args.drain_seconds < 0:
+        raise ConfigError("--drain-seconds must be at least 0")
+    if args.engine == "vllm":
+        from streamtune.auth import read_single_token
+
+        if not args.vllm_url or not args.vllm_artifact_dir:
+            raise ConfigError("--engine vllm needs --vllm-url and --vllm-artifact-dir")
+        settings = replace(settings, vllm_url=args.vllm_url, vllm_artifact_dir=args.vllm_artifact_dir,
+                           vllm_api_key=read_single_token(args.vllm_api_key_file, "VLLM_API_KEY"))
     served = ServedModels(settings)
-    uvicorn.run(create_app(served, access), host=args.host, port=args.port, log_level="info")
+    from .headroom import install_headroom
+
+    app = create_app(served, access)
+    install_headroom(app, args)  # with --slo-p99-ms: GET /headroom for a trainer on the same device
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
+    draining_server(config, served, args.drain_seconds).run()
     return 0
+
+
+def draining_server(config, served, drain_s: float):
+    """uvicorn's Server, whose first SIGTERM (or SIGINT) only marks the replica not ready for
+    `drain_s` seconds, still serving, before the graceful shutdown begins (which finishes the
+    requests in flight). A balancer probing /readyz stops sending here within that time, so no
+    request is sent to a closed port. A second signal shuts down at once."""
+    import threading
+
+    import uvicorn  # here, not at the top: `streamtune --help` stays fast
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if drain_s > 0 and not served.draining:
+                served.draining = True
+                logging.getLogger("streamtune.serve").info(
+                    "signal %s: /readyz answers 503 now, shutting down in %.1f s", sig, drain_s)
+                timer = threading.Timer(drain_s, super().handle_exit, (sig, frame))
+                timer.daemon = True
+                timer.start()
+                return
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 def response_signing_key(args: argparse.Namespace):
@@ -129,7 +169,20 @@ def add_parser(subparsers) -> None:
                         "accurate path (best-of-k on the same version); MODEL * for every model; repeatable")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
                    help="how long concurrent requests are gathered into one decoding batch")
+    p.add_argument("--batch-max-wait-ms", type=float, default=50.0,
+                   help="right after a batch, how long to wait for as many rows as were then in flight (clients "
+                        "that send again as their answer comes back); a lone client waits only the window")
     p.add_argument("--max-batch", type=int, default=16, help="rows (prompts × n) decoded together at most")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="who decodes: this process (CPUs, small deployments) or a vLLM server, with routing, "
+                        "split, guard and inference log kept here")
+    p.add_argument("--vllm-url", default=None, help="--engine vllm: the vLLM OpenAI server")
+    p.add_argument("--vllm-artifact-dir", default=None,
+                   help="--engine vllm: where version files are written for vLLM to read (a volume both mount)")
+    p.add_argument("--vllm-api-key-file", default=None, help="--engine vllm: vLLM's API key (else $VLLM_API_KEY)")
+    p.add_argument("--drain-seconds", type=float, default=0.0,
+                   help="on SIGTERM, answer /readyz 503 but keep serving this long before shutting down "
+                        "(for a balancer that probes /readyz; Kubernetes' preStop pause does the same)")
     p.add_argument("--candidate-fraction", type=float, default=0.0,
                    help="share of traffic for `candidate` when it differs from `champion`")
     p.add_argument("--inference-log-topic", default=defaults.INFERENCE_LOG_TOPIC)
@@ -155,4 +208,7 @@ def add_parser(subparsers) -> None:
                    help="the key (shared by the deployment's servers and the control plane) that signs "
                         "response ids (else $STREAMTUNE_RESPONSE_SIGNING_KEY_FILE, "
                         "$STREAMTUNE_RESPONSE_SIGNING_KEY)")
+    from .headroom import add_headroom_arguments
+
+    add_headroom_arguments(p)
     p.set_defaults(func=reporting_errors(cmd_serve))

@@ -8,7 +8,7 @@ volume both containers mount) and loads them into vLLM over its runtime LoRA API
 
 - `<model_id>` or `<model_id>@champion`: the champion; `<model_id>@candidate`: the candidate;
   each moved in place when its alias moves;
-- `<model_id>/<version>`: one version, pinned (the newest two unaliased ones stay loaded).
+- `<model_id>@v<version>`: one version, pinned (the newest two unaliased ones stay loaded).
 
 vLLM must run with `--enable-lora`, `--max-lora-rank` at least the adapters' rank and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`. Its API key, when it has one, is read from
@@ -171,7 +171,7 @@ def add_parser(subparsers) -> None:
                    help="where version files are written for vLLM to read (a volume both mount)")
     p.add_argument("--vllm-api-key-file", default=None, help="vLLM's API key (else $VLLM_API_KEY)")
     p.add_argument("--keep-versions", type=int, default=2,
-                   help="unaliased `<model_id>/<version>` names kept loaded per model (newest first)")
+                   help="unaliased `<model_id>@v<version>` names kept loaded per model (newest first)")
     p.add_argument("--check-seconds", type=float, default=5.0,
                    help="how often vLLM is checked for every alias (a restarted vLLM gets them again)")
     p.add_argument("--host", default="127.0.0.1", help="the /healthz and /readyz listener")

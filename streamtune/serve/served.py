@@ -43,7 +43,7 @@ from operators.tracing import span
 
 from .decision import CostModel
 from .guard import GuardSettings, OnlineGuard
-from core.routing import ModelName, arm_for, parse_model_name
+from core.routing import ModelName, arm_for, parse_model_name, pinned_name
 
 log = logging.getLogger("streamtune.serve")
 
@@ -77,10 +77,15 @@ class ServeSettings:
     webhook_poll_s: float = 5.0             # the registry poll, once the webhook is registered
     response_signing_key: Optional[bytes] = None  # signs response ids (core.response_ids); None: unsigned
     batch_window_ms: float = 5.0            # how long the scheduler gathers requests into one batch
+    batch_max_wait_ms: float = 50.0         # right after a batch: how long it waits for the rows then in flight
     max_batch: int = 16                     # rows (prompts × n) decoded together at most
     # The decision layer (streamtune/serve/decision.py): model id (or "*") -> the mean
     # log-probability below which a request with a latency budget may take the accurate path.
     confidence_thresholds: Optional[dict] = None
+    # The vLLM engine (vllm_engine.py): decoding by a vLLM server, versions loaded into it by name.
+    vllm_url: Optional[str] = None
+    vllm_artifact_dir: Optional[str] = None  # where vLLM reads version files (a volume both mount)
+    vllm_api_key: Optional[str] = None
 
 
 @dataclass
@@ -124,7 +129,7 @@ class Pending:
 
     @property
     def fingerprint(self) -> str:
-        return "base" if self.version is None else f"{self.model_id}/{self.version}"
+        return "base" if self.version is None else pinned_name(self.model_id, self.version)
 
     def events(self):
         results: list = [None] * len(self.group.rows)
@@ -149,10 +154,18 @@ class Pending:
 class ServedModels:
     def __init__(self, settings: ServeSettings):
         self.settings = settings
-        self.pool = AdapterPool(settings.base_model, slots=settings.slots, cpu_cache=settings.cpu_cache,
-                                max_rank=settings.max_rank)
+        if settings.vllm_url:
+            from connectors.vllm_target import VllmTarget
+
+            from .vllm_engine import VllmPool
+            target = VllmTarget(settings.vllm_url, settings.vllm_artifact_dir, settings.vllm_api_key)
+            self.pool = VllmPool(settings.base_model, target, slots=settings.slots)
+        else:
+            self.pool = AdapterPool(settings.base_model, slots=settings.slots, cpu_cache=settings.cpu_cache,
+                                    max_rank=settings.max_rank)
         self.routes: dict[str, dict[str, int]] = {}          # acknowledged: model_id -> alias -> version
         self.refused: dict[tuple[str, int], str] = {}
+        self.draining = False  # told to stop: /readyz answers 503 while requests are still served
         self.fractions: dict[str, float] = {}
         self.registry = CollectorRegistry()
         self.requests = Counter("streamtune_serve_requests", "Requests by model, arm and outcome",
@@ -172,7 +185,8 @@ class ServedModels:
         self.batch_size = Histogram("streamtune_serve_batch_size", "Rows decoded together in one batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.scheduler = self.pool.scheduler(settings.batch_window_ms, settings.max_batch,
-                                             on_batch=lambda rows, versions: self.batch_size.observe(rows))
+                                             on_batch=lambda rows, versions: self.batch_size.observe(rows),
+                                             max_wait_ms=settings.batch_max_wait_ms)
         self.log_producer = None
         if settings.inference_log_topic:
             from kafka import KafkaProducer
@@ -384,7 +398,7 @@ class ServedModels:
             answer.audit_trace.append(decision.trace())
             return answer
         started = time.perf_counter()
-        model = BASE if answer.version is None else f"{answer.model_id}/{answer.version}"
+        model = BASE if answer.version is None else pinned_name(answer.model_id, answer.version)
         route = (answer.version, answer.alias, answer.arm)
         # Submitted together, decoded in one batch: each is its own response (id, log record).
         pending = [self.submit(model, [prompt], replace(params, temperature=ACCURATE_TEMPERATURE, seed=seed),

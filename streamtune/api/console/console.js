@@ -84,6 +84,10 @@ async function refreshPipelines() {
     const tp = p.pipeline.trigger_policy;
     cell(tr, `${tp.min_samples_per_window} samples / ${tp.window_seconds} s`);
     const actions = document.createElement("span");
+    const edit = document.createElement("button");  // editor.js: no refresh, the form keeps its state
+    edit.textContent = "Edit";
+    edit.addEventListener("click", (ev) => { ev.stopPropagation(); editPipeline(p.name).catch(showError); });
+    actions.appendChild(edit);
     if (p.kind === "cdc") {
       actions.appendChild(p.paused
         ? button("Resume", () => api("POST", `/v1/pipelines/${p.name}/resume`))
@@ -92,7 +96,10 @@ async function refreshPipelines() {
     actions.appendChild(button("Delete", () => api("DELETE", `/v1/pipelines/${p.name}`),
                                `Delete pipeline ${p.name}? Its job stops with a savepoint.`));
     cell(tr, actions);
-    tr.addEventListener("click", () => { selected = p.name; refresh(); });
+    tr.tabIndex = 0;  // keyboard: Tab to the row, Enter opens its versions
+    const choose = () => { selected = p.name; refresh(); };
+    tr.addEventListener("click", choose);
+    tr.addEventListener("keydown", (ev) => { if (ev.key === "Enter" && ev.target === tr) choose(); });
     body.appendChild(tr);
   }
 }
@@ -165,6 +172,52 @@ function drawLossCurve(versions) {
     label.setAttribute("x", 2); label.setAttribute("y", yy); label.setAttribute("font-size", "10");
     label.textContent = text; svg.appendChild(label);
   }
+}
+
+// Held-out exact match of each version, one line per evaluation set (the gate's scores of the
+// version itself, oldest version first), on a fixed 0-1 scale so runs compare at a glance.
+const SET_COLOURS = {recent: "#3366cc", retained: "#b35900", fixed: "#7a3db8"};
+
+function drawHeldOutCurve(versions) {
+  const svg = $("#heldout-curve");
+  svg.replaceChildren();
+  const ordered = [...versions].sort((a, b) => a.version - b.version);
+  const series = {};
+  for (const v of ordered) {
+    for (const s of (v.gate ? v.gate.sets : [])) {
+      if (s.exact_match != null) (series[s.name] = series[s.name] || []).push([v.version, s.exact_match]);
+    }
+  }
+  const names = Object.keys(series);
+  $("#no-heldout").hidden = names.length > 0;
+  svg.hidden = names.length === 0;
+  if (names.length === 0) return;
+  const w = +svg.getAttribute("width"), h = +svg.getAttribute("height"), pad = 24;
+  const first = ordered[0].version, last = ordered[ordered.length - 1].version;
+  const x = (n) => pad + (last === first ? 0 : (n - first) * (w - 2 * pad - 80) / (last - first));
+  const y = (m) => h - pad - m * (h - 2 * pad);
+  const ns = "http://www.w3.org/2000/svg";
+  const add = (tag, attrs, text) => {
+    const e = document.createElementNS(ns, tag);
+    for (const [k, val] of Object.entries(attrs)) e.setAttribute(k, val);
+    if (text != null) e.textContent = text;
+    svg.appendChild(e);
+    return e;
+  };
+  names.forEach((name, k) => {
+    const colour = SET_COLOURS[name] || "#444444";
+    add("polyline", {points: series[name].map(([n, m]) => `${x(n)},${y(m)}`).join(" "), fill: "none",
+                     stroke: colour, "stroke-width": 2});
+    for (const [n, m] of series[name]) {
+      const dot = add("circle", {cx: x(n), cy: y(m), r: 3, fill: colour, class: "heldout-point", "data-set": name});
+      const title = document.createElementNS(ns, "title");
+      title.textContent = `v${n} ${name}: exact match ${m}`;
+      dot.appendChild(title);
+    }
+    add("text", {x: w - 76, y: pad + 12 * k, "font-size": 10, fill: colour}, name);
+  });
+  add("text", {x: 2, y: pad - 8, "font-size": 10}, "1.0");
+  add("text", {x: 2, y: h - 6, "font-size": 10}, "0.0");
 }
 
 const num = (x, digits) => (x == null ? "–" : Number(x).toFixed(digits));
@@ -300,6 +353,7 @@ async function refreshModel() {
     body.appendChild(tr);
   }
   drawLossCurve(versions);
+  drawHeldOutCurve(versions);
   $("#rollback").disabled = !versions.some((v) => championVersion !== null && v.version < championVersion);
   await refreshServing(selected);
   let letters = [];
