@@ -97,7 +97,14 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
         try:
             wait_for(settled, 120, "the scraped metrics to reach what was sent", interval=2)
         except AssertionError:
-            raise AssertionError(f"metrics never settled; last scrape: {dict(last.get('m', {}))}") from None
+            m = last.get("m", {})
+            seen = {f"{op}.{name}": m.get((op, name), "missing") for op, name in (
+                ("validate", "records_in"), ("lora_trainer", "windows_fired"), ("lora_trainer", "pending_samples"),
+                ("register_versions", "versions_in"), ("register_versions", "registered"),
+                ("register_versions", "already_registered"))}
+            raise AssertionError(f"metrics never settled: expected records_in {expected_in} and {len(committed)} "
+                                 f"versions fired, registered and nothing pending; last scrape: {seen}; "
+                                 f"{_job_health(stack_config, job)}") from None
         m = last["m"]
 
         # validate: every record counted once, valid or dead-lettered
@@ -133,3 +140,18 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
         assert total(m, "lora_trainer", "live_adapters") >= 1
     finally:
         cancel_job(stack_config, job)
+
+
+def _job_health(stack_config, job: str) -> str:
+    """A restart resets every counter: the job's state, whether it restored a checkpoint, and
+    its exceptions, for a failure message."""
+    import requests
+
+    rest = stack_config.flink_rest_url
+    state = requests.get(f"{rest}/jobs/{job}", timeout=5).json().get("state")
+    checkpoints = requests.get(f"{rest}/jobs/{job}/checkpoints", timeout=5).json()
+    restored = (checkpoints.get("latest") or {}).get("restored")
+    history = requests.get(f"{rest}/jobs/{job}/exceptions", timeout=5).json().get("exceptionHistory", {})
+    causes = [e.get("exceptionName", "") + ": " + (e.get("stacktrace") or "").split("\n")[0][:200]
+              for e in history.get("entries", [])]
+    return f"job {state}, checkpoints {checkpoints.get('counts')}, restored {restored}, exceptions {causes}"
