@@ -10,8 +10,10 @@ feed the server's SLO headroom (streamtune/serve/headroom.py), published on a re
 endpoint; with arbitration the trainer reads it there (operators/arbiter.py).
 
 Arms, in one run: the serving capacity (requests one at a time, back to back), training
-alone, then at 50% and 90% of that capacity: serving alone, serving beside training, and
-serving beside training that yields to the SLO. The SLO target at each load is
+alone, then at 50% and 90% of that capacity: serving alone, serving beside training, serving
+beside training that pauses for the SLO between micro-batches (`cpu_priority` normal), and
+serving beside training arbitrated as a job does by default on a CPU: those pauses, and its
+thread at idle CPU priority (operators/arbiter.py). The SLO target at each load is
 `--slo-factor` times serving alone's p99 at that load.
 
     .venv/bin/python bench/colocation.py [--seconds 15] [--cpus 0] [--json out.json] [--plot out.png]
@@ -120,12 +122,16 @@ def train_alone(base: str, seconds: float) -> float:
     return round(out["samples"] / out["seconds"], 1)
 
 
-def train(base: str, stop: threading.Event, url: str | None, ready: threading.Event | None = None) -> dict:
-    """The trainer on a stream of 1 s windows of 32 samples until `stop`; samples trained, seconds."""
+def train(base: str, stop: threading.Event, url: str | None, ready: threading.Event | None = None,
+          cpu_priority: str = "idle") -> dict:
+    """The trainer on a stream of 1 s windows of 32 samples until `stop`; samples trained, seconds.
+    Run it in a thread of its own: with `url` and cpu_priority idle its steps lower that thread's
+    priority for good, as in a TaskManager's Python worker."""
     from operators.arbiter import ArbiterSettings
     from pyflink.datastream import TimeDomain
 
-    settings = {"arbitration": ArbiterSettings(url, min_training_share=MIN_SHARE)} if url else {}
+    settings = {"arbitration": ArbiterSettings(url, min_training_share=MIN_SHARE, cpu_priority=cpu_priority)} \
+        if url else {}
     fn = trainer_function(base, tempfile.mkdtemp(prefix="colocation-"), **settings)
     if url:
         fn.start_arbiter()
@@ -151,7 +157,8 @@ def train(base: str, stop: threading.Event, url: str | None, ready: threading.Ev
         i += 1
     out = {"samples": trained, "seconds": time.perf_counter() - started}
     if url:
-        out.update(yielded_s=round(fn.arbiter.yielded_s, 2), yields=fn.arbiter.yields)
+        out.update(yielded_s=round(fn.arbiter.yielded_s, 2), yields=fn.arbiter.yields,
+                   idle_priority=fn.background)
     return out
 
 
@@ -160,13 +167,14 @@ def run(base: str, mode: str, seconds: float, rate: float, target_ms: float | No
 
     ours, theirs = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(
-        target=serving_process, args=(base, seconds, rate, target_ms, mode == "arbitrated", theirs))
+        target=serving_process, args=(base, seconds, rate, target_ms, mode in ("paused", "arbitrated"), theirs))
     child.start()
     url = ours.recv()
     stop, ready, training = threading.Event(), threading.Event(), {}
     trainer = None
     if mode != "serving alone":
-        trainer = threading.Thread(target=lambda: training.update(train(base, stop, url, ready)))
+        priority = "normal" if mode == "paused" else "idle"
+        trainer = threading.Thread(target=lambda: training.update(train(base, stop, url, ready, priority)))
         trainer.start()
         ready.wait(300)  # the base model loaded: serving starts beside training, not beside the load
     ours.send("go")
@@ -180,7 +188,7 @@ def run(base: str, mode: str, seconds: float, rate: float, target_ms: float | No
               "requests": len(ms)}
     if training:
         result["train_samples_per_s"] = round(training["samples"] / training["seconds"], 1)
-        result.update({k: v for k, v in training.items() if k in ("yielded_s", "yields")})
+        result.update({k: v for k, v in training.items() if k in ("yielded_s", "yields", "idle_priority")})
     return result
 
 
@@ -209,6 +217,7 @@ def main() -> None:
         arms = {"serving alone": run(base, "serving alone", args.seconds, rate, None)}
         target = round(args.slo_factor * arms["serving alone"]["p99_ms"], 1)
         arms["serving + training"] = run(base, "training", args.seconds, rate, target)
+        arms["serving + training, pauses only"] = run(base, "paused", args.seconds, rate, target)
         arms["serving + training, arbitrated"] = run(base, "arbitrated", args.seconds, rate, target)
         loads[f"{share:.0%}"] = {"rate": rate, "target_ms": target, "arms": arms}
 
@@ -252,21 +261,21 @@ def plot(loads: dict, alone_training: float, when: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = ["serving alone", "serving + training", "serving + training, arbitrated"]
-    fig, (lat, share) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.27
+    arms = ["serving alone", "serving + training", "serving + training, pauses only", "serving + training, arbitrated"]
+    fig, (lat, share) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.2
     for k, arm in enumerate(arms):
-        xs = [i + (k - 1) * width for i in range(len(loads))]
+        xs = [i + (k - 1.5) * width for i in range(len(loads))]
         lat.bar(xs, [r["arms"][arm]["p99_ms"] for r in loads.values()], width, label=arm)
     for i, r in enumerate(loads.values()):
         goal = 1.2 * r["arms"]["serving alone"]["p99_ms"]
-        lat.hlines(goal, i - 1.5 * width, i + 1.5 * width, colors="black", linestyles=":",
+        lat.hlines(goal, i - 2 * width, i + 2 * width, colors="black", linestyles=":",
                    label="goal: 1.2x serving alone" if i == 0 else None)
     lat.set_xticks(range(len(loads)), [f"{k} load ({r['rate']}/s)" for k, r in loads.items()])
     lat.set(ylabel="serving p99, ms (log scale)", yscale="log", title="Serving p99")
     lat.legend(fontsize=8)
     for k, arm in enumerate(arms[1:]):
-        xs = [i + (k - 0.5) * width for i in range(len(loads))]
+        xs = [i + (k - 1) * width for i in range(len(loads))]
         share.bar(xs, [r["arms"][arm]["train_samples_per_s"] / alone_training for r in loads.values()], width,
                   label=arm, color=f"C{k + 1}")
     share.axhline(0.7, color="black", linestyle=":", label="goal at 50% load: 0.7")

@@ -74,6 +74,7 @@ class JobConfig:
     max_event_age_ms: int = 0                 # samples older: DLQ `timestamp`; 0 = off (replays stay possible)
     slo_headroom_url: Optional[str] = None    # a co-located `streamtune serve`'s GET /headroom: yield to its SLO
     min_training_share: float = 0.25          # of a step's wall time, however little headroom is left
+    training_cpu_priority: str = "idle"       # with slo_headroom_url, on a CPU: the training thread's priority
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, job_name: str, **overrides) -> "JobConfig":
@@ -91,7 +92,8 @@ class JobConfig:
                                idle_close_ms=self.idle_close_ms, max_live_adapters=self.max_live_adapters,
                                tracking_uri=self.tracking_uri,
                                checkpoint_on_version=self.jobmanager_url if self.checkpoint_on_version else None,
-                               arbitration=ArbiterSettings(self.slo_headroom_url, self.min_training_share)
+                               arbitration=ArbiterSettings(self.slo_headroom_url, self.min_training_share,
+                                                           cpu_priority=self.training_cpu_priority)
                                if self.slo_headroom_url else None)
 
     def create_topics(self, *inputs: str) -> None:
@@ -142,6 +144,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-training-share", type=float, default=0.25,
                    help="with --slo-headroom-url: the share of a step's wall time training keeps however "
                         "little headroom is left, in (0, 1]")
+    p.add_argument("--training-cpu-priority", choices=["idle", "normal"], default="idle",
+                   help="with --slo-headroom-url on a CPU: idle runs the training thread only when the "
+                        "server leaves the core idle (Linux SCHED_IDLE), normal shares it evenly")
     p.add_argument("--checkpoint-interval-ms", type=int, default=None)
     p.add_argument("--checkpoint-dir", default=None, help="file:// URI; the cluster's when omitted")
     p.add_argument("--restore-from", default=None, help="a retained checkpoint or savepoint path")

@@ -11,6 +11,14 @@ Arbitration changes when a version is produced, never what: it only waits betwee
 micro-batches (operators/lora_trainer.py `between`), so the same samples in the same order
 give the same weights with it or without it.
 
+On a CPU, waits between micro-batches are coarse: a micro-batch already running keeps the
+core until it ends, and a request arriving meanwhile queues behind it. So a trainer that
+arbitrates on a CPU also runs its thread at idle priority (`cpu_priority` "idle", Linux's
+SCHED_IDLE): the kernel then runs it only when the serving process has nothing to run, and
+takes the core back within a scheduler tick when a request comes. The pauses still apply;
+`min_training_share` bounds them, not the kernel (a fully loaded server leaves an idle-priority
+trainer only the kernel's small share for that class).
+
 An unreachable or malformed endpoint reads as no headroom figure: the trainer goes on (a
 server that is down has no SLO to protect) and counts the failure.
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 import urllib.error
@@ -54,6 +63,7 @@ class ArbiterSettings:
     resume_above: float = 0.1         # headroom above which it resumes (hysteresis: no flapping at the edge)
     poll_s: float = 0.05              # how often a waiting trainer reads the headroom again
     timeout_s: float = 0.5            # of one read
+    cpu_priority: str = "idle"        # the training thread's CPU priority on a CPU: "idle" or "normal"
 
     def __post_init__(self):
         if not self.headroom_url.startswith(("http://", "https://")):
@@ -65,6 +75,23 @@ class ArbiterSettings:
             raise ValueError(f"resume_above ({self.resume_above}) must be >= yield_below ({self.yield_below})")
         if not (self.poll_s > 0 and self.timeout_s > 0 and math.isfinite(self.poll_s)):
             raise ValueError("poll_s and timeout_s must be positive")
+        if self.cpu_priority not in CPU_PRIORITIES:
+            raise ValueError(f"cpu_priority {self.cpu_priority!r} must be one of {', '.join(CPU_PRIORITIES)}")
+
+
+CPU_PRIORITIES = ("idle", "normal")
+
+
+def lower_cpu_priority() -> bool:
+    """The calling thread, and the threads it starts from now on, run only when the CPU has
+    nothing else to run (Linux SCHED_IDLE; a thread may always lower its own priority, but only
+    a privileged one may raise it again). False where the platform refuses or lacks it."""
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_IDLE:  # 0: this thread, on Linux
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 class ArbiterCore:

@@ -26,7 +26,7 @@ from pyflink.datastream.state import ValueStateDescriptor
 
 from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSample, FinetuneSpec, Lineage,
                            RetrainTrigger, Retraction, VersionMetrics, VersionRecord)
-from operators.arbiter import Arbiter, ArbiterSettings
+from operators.arbiter import Arbiter, ArbiterSettings, lower_cpu_priority
 from operators.counters import FunctionCounters
 from operators.granularity import GranularityState, next_state
 from operators.quality import (Kept, QualityState, SetScores, decide, draw_replay, eval_roots, is_held_out,
@@ -106,6 +106,7 @@ class FinetuneFunction(KeyedProcessFunction):
 
     checkpoints = None  # a CheckpointRequester with --checkpoint-on-version (set in open)
     arbiter = None      # an Arbiter (operators/arbiter.py) with the deployment's SLO settings
+    background = False  # whether the last step's thread ran at idle CPU priority (claim_cpu_priority)
 
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
@@ -117,6 +118,8 @@ class FinetuneFunction(KeyedProcessFunction):
         self.store = ArtifactStore(self.settings.artifact_store, self.settings.tracking_uri)
         threads_from_env()
         place_on_gpu(runtime_context.get_index_of_this_subtask())
+        # Before the model loads: the threads torch starts from here inherit the priority.
+        self.background = self.claim_cpu_priority()
         if Path(self.settings.default_base_model, "config.json").exists():
             LoraTrainer.for_base(self.settings.default_base_model)  # load once, before the first window
         # A restore fires past-due processing-time timers at once, before the backlog (which
@@ -153,10 +156,22 @@ class FinetuneFunction(KeyedProcessFunction):
             metrics.gauge("arbiter_yielded_ms", lambda: round(self.arbiter.yielded_s * 1000))
             metrics.gauge("arbiter_yields", lambda: self.arbiter.yields)
             metrics.gauge("arbiter_headroom_failures", lambda: self.arbiter.headroom_failures)
+            metrics.gauge("arbiter_idle_priority", lambda: int(self.background))
             # Flink's Python gauges are integers: the headroom in thousandths (-1000: p99 twice the target).
             metrics.gauge("slo_headroom_permille",
                           lambda: round((self.arbiter.last_headroom if self.arbiter.last_headroom is not None
                                          else 1.0) * 1000))
+
+    def claim_cpu_priority(self) -> bool:
+        """With arbitration on a CPU and `cpu_priority` "idle": the calling thread (the one that
+        trains) yields the CPU to the co-located server (operators/arbiter.py). True if it runs
+        at idle priority."""
+        import torch
+
+        arbitration = self.settings.arbitration
+        if arbitration is None or arbitration.cpu_priority != "idle" or torch.cuda.is_available():
+            return False
+        return lower_cpu_priority()
 
     def start_arbiter(self, **overrides) -> None:
         """The arbiter of the deployment's SLO settings (`overrides`: a test's clock or reader)."""
@@ -428,6 +443,8 @@ class FinetuneFunction(KeyedProcessFunction):
                   trigger=trigger, replayed=len(replayed)) as traced:
             adaptive = spec.trigger_policy.is_adaptive
             if self.arbiter is not None:
+                # Again here: Beam may run a bundle on another thread of its pool than open's.
+                self.background = self.claim_cpu_priority()
                 self.arbiter.begin_step()
             result = trainer.step(model_id, spec.adapter_config, spec.training, self.adapter.value(), batch, seed,
                                   replay=replayed, ewc=spec.ewc, measure_noise=adaptive,

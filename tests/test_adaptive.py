@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import threading
@@ -188,12 +189,30 @@ def headroom():
     server.close()
 
 
-def arbitrated(base, store, url: str, share: float):
+def arbitrated(base, store, url: str, share: float, cpu_priority: str = "normal"):
+    """A trainer arbitrating against `url`. At cpu_priority "idle" the thread that trains keeps
+    SCHED_IDLE for good: run it in a thread of its own (in_thread), never pytest's."""
     from operators.arbiter import ArbiterSettings
 
-    fn = trainer_function(base, store, arbitration=ArbiterSettings(url, min_training_share=share, poll_s=0.01))
+    fn = trainer_function(base, store, arbitration=ArbiterSettings(url, min_training_share=share, poll_s=0.01,
+                                                                   cpu_priority=cpu_priority))
     fn.start_arbiter()
     return fn
+
+
+def in_thread(work):
+    """work() in a new thread: (its result, that thread's scheduling policy when it ended)."""
+    out: dict = {}
+
+    def target():
+        out["result"] = work()
+        out["policy"] = os.sched_getscheduler(0)
+
+    worker = threading.Thread(target=target)
+    worker.start()
+    worker.join(timeout=600)
+    assert "policy" in out, "the work failed or did not finish (see the thread's exception above)"
+    return out["result"], out["policy"]
 
 
 def adapter_digests(fn, versions: list[VersionRecord]) -> list[str]:
@@ -209,15 +228,28 @@ def test_arbitration_changes_when_a_version_comes_never_what_it_is(base, tmp_pat
     results = {}
     for name in ("alone", "arbitrated"):
         LoraTrainer.for_base(base)._live.clear()  # each run its own worker
-        fn = arbitrated(base, tmp_path / name, server.url, share=0.5) if name == "arbitrated" else \
-            trainer_function(base, tmp_path / name)
-        versions = run(fn, KeyedTimers("same"), spec_for("same", **ADAPTIVE), stream)
+        # Arbitrated as deployed on a CPU: pauses, and the training thread at idle priority.
+        fn = arbitrated(base, tmp_path / name, server.url, share=0.5, cpu_priority="idle") \
+            if name == "arbitrated" else trainer_function(base, tmp_path / name)
+        versions, policy = in_thread(lambda: run(fn, KeyedTimers("same"), spec_for("same", **ADAPTIVE), stream))
         results[name] = ([(v.version_id, v.sha256, v.granularity) for v in versions], adapter_digests(fn, versions))
         if name == "arbitrated":
             assert fn.arbiter.yields >= len(versions) and fn.arbiter.yielded_s > 0  # it did yield, every step
             assert fn.arbiter.last_headroom == pytest.approx(-4.0)
+            assert policy == os.SCHED_IDLE and fn.background, "the arbitrated steps ran at normal priority"
+        else:
+            assert policy == os.SCHED_OTHER and not fn.background
     assert len(results["alone"][0]) >= 4
     assert results["arbitrated"] == results["alone"]
+
+
+def test_a_normal_cpu_priority_leaves_the_training_thread_as_it_was(base, tmp_path, headroom):
+    _, _, server = headroom  # no request observed: full headroom, nothing to wait for
+    fn = arbitrated(base, tmp_path, server.url, share=0.5, cpu_priority="normal")
+    versions, policy = in_thread(lambda: run(fn, KeyedTimers("normal"), spec_for("normal"),
+                                             records("normal", steady(18))))
+    assert len(versions) == 1 and policy == os.SCHED_OTHER and not fn.background
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # nor pytest's own thread
 
 
 def test_the_trainer_yields_while_the_slo_is_missed_and_resumes_when_it_is_met(base, tmp_path, headroom):
