@@ -107,11 +107,13 @@ class FinetuneFunction(KeyedProcessFunction):
     checkpoints = None  # a CheckpointRequester with --checkpoint-on-version (set in open)
     arbiter = None      # an Arbiter (operators/arbiter.py) with the deployment's SLO settings
     background = False  # whether the last step's thread ran at idle CPU priority (claim_cpu_priority)
+    last_version_at = 0  # wall-clock ms the last version left the step (gauge last_version_at_ms)
 
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
 
     def open(self, runtime_context):
+        began = int(time.time() * 1000)  # gauge open_ms: imports, the base model's load
         from connectors.artifact_store import ArtifactStore
         from operators.lora_trainer import LoraTrainer, place_on_gpu, threads_from_env
 
@@ -151,6 +153,10 @@ class FinetuneFunction(KeyedProcessFunction):
         metrics.gauge("last_loss_micro", lambda: round(self.last_step["loss_after"] * 1e6))
         metrics.gauge("adapter_state_bytes", lambda: self.last_step["state_bytes"])
         metrics.gauge("pending_samples", lambda: sum(self.pending.sizes.values()))
+        # Start-up and liveness, in wall-clock ms (bench/submit.py splits a submit's time with them).
+        metrics.gauge("open_ms", lambda: self.opened_at - began)
+        metrics.gauge("opened_at_ms", lambda: self.opened_at)
+        metrics.gauge("last_version_at_ms", lambda: self.last_version_at)
         if self.settings.arbitration is not None:
             self.start_arbiter()
             metrics.gauge("arbiter_yielded_ms", lambda: round(self.arbiter.yielded_s * 1000))
@@ -484,7 +490,8 @@ class FinetuneFunction(KeyedProcessFunction):
         operator_seconds = time.perf_counter() - started
         self.counters.observe("step_ms", operator_seconds * 1000)
         # Freshness: from the newest sample's Kafka timestamp to this version leaving the step.
-        self.counters.observe("freshness_ms", max(0, time.time() * 1000 - max(s.ts for s in batch)))
+        self.last_version_at = int(time.time() * 1000)
+        self.counters.observe("freshness_ms", max(0, self.last_version_at - max(s.ts for s in batch)))
         if self.checkpoints is not None:
             self._request_checkpoint()
         # operator_seconds: the whole operator step, state in, training, artifact out (the bench's numerator).

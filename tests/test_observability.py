@@ -57,6 +57,7 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
     malformed = [MALFORMED[i % len(MALFORMED)] for i in range(20)]
     configs = 2
 
+    submitted_ms = time.time() * 1000
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, tmp_path / "adapters", "--bootstrap-server", bootstrap, "--checkpoint-interval-ms", "1000",
         "--idle-close-ms", "2000", "--unknown-model-grace-seconds", "60", "--job-name", job_name))
@@ -138,6 +139,10 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
         assert set(m[("lora_trainer", "last_loss_micro")]) - {0} <= losses, "last_loss is some version's loss_after"
         assert max(m[("lora_trainer", "adapter_state_bytes")]) > 0
         assert total(m, "lora_trainer", "live_adapters") >= 1
+        # start-up and liveness, wall-clock ms: opened after the submit, the last version after that
+        opened, last_version = max(m[("lora_trainer", "opened_at_ms")]), max(m[("lora_trainer", "last_version_at_ms")])
+        assert max(m[("lora_trainer", "open_ms")]) > 0
+        assert submitted_ms < opened < last_version <= time.time() * 1000
     finally:
         cancel_job(stack_config, job)
 
