@@ -87,11 +87,11 @@ def job_marks(rest: str, job_id: str) -> list[float]:
     times = requests.get(f"{rest}/jobs/{job_id}/vertices/{trainer['id']}/subtasktimes", timeout=5).json()
     initializing = min(s["timestamps"]["INITIALIZING"] for s in times["subtasks"])
     base = f"{rest}/jobs/{job_id}/vertices/{trainer['id']}/subtasks/metrics"
-    names = {m["id"].rsplit(".", 1)[-1]: m["id"] for m in requests.get(base, timeout=5).json()}
-    wanted = [names["opened_at_ms"], names["last_version_at_ms"]]
-    for _ in range(50):  # the metric fetcher refreshes every few seconds: wait for the version's mark
+    for _ in range(60):  # the metric fetcher refreshes every few seconds: wait for the version's mark
+        names = {m["id"].rsplit(".", 1)[-1]: m["id"] for m in requests.get(base, timeout=5).json()}
+        wanted = [names.get("opened_at_ms"), names.get("last_version_at_ms")]
         values = {m["id"].rsplit(".", 1)[-1]: m["max"] for m in requests.get(
-            base, params={"get": ",".join(wanted), "agg": "max"}, timeout=5).json()}
+            base, params={"get": ",".join(wanted), "agg": "max"}, timeout=5).json()} if all(wanted) else {}
         if values.get("last_version_at_ms", 0) > 0:
             return [job["timestamps"]["INITIALIZING"], initializing, values["opened_at_ms"],
                     values["last_version_at_ms"]]
