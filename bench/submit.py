@@ -71,9 +71,11 @@ def one_run(config: StackConfig, base: Path, checkpoint_ms: int) -> dict:
             if time.monotonic() - started > 300:
                 raise SystemExit(f"no version in 300 s (job {job_id})")
         seen_wall, total = time.time() * 1000, time.monotonic() - started
-        marks = [started_wall, *job_marks(config.flink_rest_url, job_id), seen_wall]
+        marks, idle_closed = job_marks(config.flink_rest_url, job_id)
+        marks = [started_wall, *marks, seen_wall]
         return {"total_s": round(total, 2),
-                **{phase: round((b - a) / 1000, 2) for phase, a, b in zip(PHASES, marks, marks[1:])}}
+                **{phase: round((b - a) / 1000, 2) for phase, a, b in zip(PHASES, marks, marks[1:])},
+                "closed_by_idle_timer": idle_closed}
     finally:
         reader.close()
         cancel_job(config, job_id)
@@ -81,7 +83,8 @@ def one_run(config: StackConfig, base: Path, checkpoint_ms: int) -> dict:
 
 def job_marks(rest: str, job_id: str) -> list[float]:
     """Wall-clock ms: the JobManager got the job, the trainer subtask began initializing, its
-    open() ended, its first version left the step."""
+    open() ended, its first version left the step; and whether the trainer's idle timer closed
+    the window (the watermark had not passed it: window_seconds + --idle-close-ms later)."""
     job = requests.get(f"{rest}/jobs/{job_id}", timeout=5).json()
     trainer = next(v for v in job["vertices"] if "lora-trainer" in v["name"])
     times = requests.get(f"{rest}/jobs/{job_id}/vertices/{trainer['id']}/subtasktimes", timeout=5).json()
@@ -89,12 +92,13 @@ def job_marks(rest: str, job_id: str) -> list[float]:
     base = f"{rest}/jobs/{job_id}/vertices/{trainer['id']}/subtasks/metrics"
     for _ in range(60):  # the metric fetcher refreshes every few seconds: wait for the version's mark
         names = {m["id"].rsplit(".", 1)[-1]: m["id"] for m in requests.get(base, timeout=5).json()}
-        wanted = [names.get("opened_at_ms"), names.get("last_version_at_ms")]
+        wanted = [names.get("opened_at_ms"), names.get("last_version_at_ms"), names.get("windows_closed_idle")]
         values = {m["id"].rsplit(".", 1)[-1]: m["max"] for m in requests.get(
-            base, params={"get": ",".join(wanted), "agg": "max"}, timeout=5).json()} if all(wanted) else {}
+            base, params={"get": ",".join(filter(None, wanted)), "agg": "max"}, timeout=5).json()} \
+            if all(wanted[:2]) else {}
         if values.get("last_version_at_ms", 0) > 0:
             return [job["timestamps"]["INITIALIZING"], initializing, values["opened_at_ms"],
-                    values["last_version_at_ms"]]
+                    values["last_version_at_ms"]], values.get("windows_closed_idle", 0) > 0
         time.sleep(0.5)
     raise SystemExit(f"job {job_id}: the trainer never reported its version's time")
 
@@ -110,7 +114,8 @@ def main() -> None:
     for i in range(args.runs):
         runs.append(one_run(config, base, args.checkpoint_ms))
         print(f"  run {i + 1}: {runs[-1]['total_s']:.1f} s  (" + ", ".join(
-            f"{p} {runs[-1][p]:.1f}" for p in PHASES) + ")", flush=True)
+            f"{p} {runs[-1][p]:.1f}" for p in PHASES) + (", closed by the idle timer" if runs[-1][
+                "closed_by_idle_timer"] else "") + ")", flush=True)
     seconds = [r["total_s"] for r in runs]
     result = {"date": time.strftime("%Y-%m-%d"), "runs": args.runs, "checkpoint_ms": args.checkpoint_ms,
               "seconds": seconds, "p50_s": round(statistics.median(seconds), 2), "max_s": round(max(seconds), 2),
