@@ -348,6 +348,29 @@ def restored_and_running(config, job_id: str) -> bool:
         v["status"] == "RUNNING" for v in details.get("vertices", []))
 
 
+def job_report(config, job_id: str) -> str:
+    """A stuck or failed job as its REST API shows it, for a failure message: its state, its
+    checkpoints (counts, seconds since the last completed, whether one was restored), its last
+    failures, and each vertex's status and records in and out (a vertex that reads and writes
+    nothing is where it hangs). A restart resets Flink's counters: the restored checkpoint says so."""
+    import requests
+
+    rest = config.flink_rest_url
+    details = requests.get(f"{rest}/jobs/{job_id}", timeout=5).json()
+    checkpoints = requests.get(f"{rest}/jobs/{job_id}/checkpoints", timeout=5).json()
+    latest = checkpoints.get("latest") or {}
+    completed_ms = (latest.get("completed") or {}).get("latest_ack_timestamp", 0)
+    history = requests.get(f"{rest}/jobs/{job_id}/exceptions", timeout=5).json().get("exceptionHistory", {})
+    entries = history.get("entries", [])
+    last = [(e.get("exceptionName"), (e.get("stacktrace") or "")[:400]) for e in entries[:2]]
+    flow = {v["name"][:40]: (v["status"], v["metrics"]["read-records"], v["metrics"]["write-records"])
+            for v in details.get("vertices", [])}
+    since = f"{time.time() - completed_ms / 1000:.0f} s ago" if completed_ms else "none"
+    return (f"job {details.get('state')}, checkpoints {checkpoints.get('counts')} (last completed {since}, "
+            f"restored {bool(latest.get('restored'))}), {len(entries)} failures (last: {last}), "
+            f"vertices (status, records in, out) {flow}")
+
+
 PROMETHEUS_PORTS = range(9249, 9261)  # metrics.reporter.prom.port in flink-conf/config.yaml
 PROMETHEUS_OPERATOR_PREFIX = "flink_taskmanager_job_task_operator_"
 

@@ -26,7 +26,8 @@ from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.local_job import kill_group, spawn_logged
 from streamtune.stack.flink import cancel_job, job_state, submit_detached
 from streamtune.stack.mlflow import MLflow
-from streamtune.testing import free_port, job_args, job_topics, restored_and_running, spec, wait_for, wait_for_records
+from streamtune.testing import (free_port, job_args, job_report, job_topics, restored_and_running, spec, wait_for,
+                                wait_for_records)
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.deploy
@@ -373,11 +374,11 @@ def test_taskmanager_killed_while_training_loses_nothing_trains_nothing_twice(st
 
     versions = sorted(wait_for_records(boot, topics["versions"], VersionRecord, 3, 240), key=lambda v: v.seq)
     assert len(versions) >= 3, f"training stalled after the restore, {len(versions)} of 3 versions committed: " \
-                               f"{_job_report(stack_config, job)}"
+                               f"{job_report(stack_config, job)}"
     try:
         mvs = wait_for(lambda: (r := registered(client, model_id)) and len(r) >= 3 and r, 240, "3 registered versions")
     except AssertionError as timeout:
-        raise AssertionError(f"{timeout}: {_job_report(stack_config, job)}; registered "
+        raise AssertionError(f"{timeout}: {job_report(stack_config, job)}; registered "
                              f"{[mv.tags.get('streamtune.seq') for mv in registered(client, model_id)]}") from None
     # The kill fell before window 1's version was emitted: no copy of it from the killed run
     # exists, even among records of aborted transactions.
@@ -388,17 +389,6 @@ def test_taskmanager_killed_while_training_loses_nothing_trains_nothing_twice(st
         "each window trained whole, once, none lost"
     assert [int(mv.tags["streamtune.seq"]) for mv in mvs] == [1, 2, 3]
     assert [mv.tags["streamtune.version_id"] for mv in mvs] == [v.version_id for v in versions]
-
-
-def _job_report(stack_config, job_id: str) -> str:
-    """A stuck job as its REST API shows it: state, failures, each vertex's records in and out."""
-    rest = stack_config.flink_rest_url
-    details = requests.get(f"{rest}/jobs/{job_id}", timeout=5).json()
-    history = requests.get(f"{rest}/jobs/{job_id}/exceptions", timeout=5).json().get("exceptionHistory", {})
-    last = [(e.get("exceptionName"), e.get("stacktrace", "")[:400]) for e in history.get("entries", [])[:2]]
-    flow = {v["name"][:40]: (v["status"], v["metrics"]["read-records"], v["metrics"]["write-records"])
-            for v in details.get("vertices", [])}
-    return f"job {details.get('state')}, restarts {_restarts(stack_config, job_id)}, last failures {last}, vertices {flow}"
 
 
 def _restarts(stack_config, job_id: str) -> int:

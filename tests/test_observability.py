@@ -19,7 +19,7 @@ import pytest
 from core.messages import VersionRecord
 from streamtune.feedback import digit_samples, producer, send_config, send_samples
 from streamtune.stack.flink import cancel_job, submit_detached
-from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for, wait_for_records
+from streamtune.testing import job_args, job_report, job_topics, scrape_prometheus, spec, wait_for, wait_for_records
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.observability
@@ -105,7 +105,7 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
                 ("register_versions", "already_registered"))}
             raise AssertionError(f"metrics never settled: expected records_in {expected_in} and {len(committed)} "
                                  f"versions fired, registered and nothing pending; last scrape: {seen}; "
-                                 f"{_job_health(stack_config, job)}") from None
+                                 f"{job_report(stack_config, job)}") from None
         m = last["m"]
 
         # validate: every record counted once, valid or dead-lettered
@@ -146,17 +146,3 @@ def test_counters_gauges_and_histograms_scraped_from_prometheus_match_what_was_s
     finally:
         cancel_job(stack_config, job)
 
-
-def _job_health(stack_config, job: str) -> str:
-    """A restart resets every counter: the job's state, whether it restored a checkpoint, and
-    its exceptions, for a failure message."""
-    import requests
-
-    rest = stack_config.flink_rest_url
-    state = requests.get(f"{rest}/jobs/{job}", timeout=5).json().get("state")
-    checkpoints = requests.get(f"{rest}/jobs/{job}/checkpoints", timeout=5).json()
-    restored = (checkpoints.get("latest") or {}).get("restored")
-    history = requests.get(f"{rest}/jobs/{job}/exceptions", timeout=5).json().get("exceptionHistory", {})
-    causes = [e.get("exceptionName", "") + ": " + (e.get("stacktrace") or "").split("\n")[0][:200]
-              for e in history.get("entries", [])]
-    return f"job {state}, checkpoints {checkpoints.get('counts')}, restored {restored}, exceptions {causes}"

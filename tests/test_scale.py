@@ -21,8 +21,8 @@ from connectors.kafka import create_topic
 from core.messages import FeedbackSample, VersionRecord
 from streamtune.feedback import digit_samples, send_config, send_samples
 from streamtune.stack.flink import Flink, cancel_job, job_counters, submit_detached
-from streamtune.testing import (job_args, job_topics, records_read, restored_and_running, scrape_prometheus, spec, wait_for,
-                                wait_for_records)
+from streamtune.testing import (job_args, job_report, job_topics, records_read, restored_and_running, scrape_prometheus,
+                                spec, wait_for, wait_for_records)
 from streamtune.tinymodel import digit_pairs
 
 pytestmark = pytest.mark.scale
@@ -151,10 +151,6 @@ def _why_stuck(stack_config, job: str, boot: str, topics: dict, workload: dict) 
     """What a timed-out run looked like: the job's state, its restarts and last exception, the
     TaskManagers, how far training got (committed and written versions), and the samples in no
     written version, by model and 2 s window."""
-    rest = stack_config.flink_rest_url
-    details = requests.get(f"{rest}/jobs/{job}", timeout=5).json()
-    exceptions = requests.get(f"{rest}/jobs/{job}/exceptions", timeout=5).json()
-    history = exceptions.get("exceptionHistory", {}).get("entries", [])
     committed = committed_versions(boot, topics["versions"])
     written = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False)
     expected = {s.sample_id for s in workload["samples"]}
@@ -165,18 +161,8 @@ def _why_stuck(stack_config, job: str, boot: str, topics: dict, workload: dict) 
         if s.sample_id not in written_trained:
             key = (s.model_id, (s.ts - T0) // 2000)
             missing[key] = missing.get(key, 0) + 1
-    checkpoints = requests.get(f"{rest}/jobs/{job}/checkpoints", timeout=5).json()
-    counts = checkpoints.get("counts", {})
-    latest = ((checkpoints.get("latest") or {}).get("completed") or {}).get("latest_ack_timestamp", 0)
-    # Records in and out per vertex: a trainer that holds its input and writes nothing hangs;
-    # versions written out but not read back point at the reader.
-    flow = {v["name"][:40]: (v["metrics"]["read-records"], v["metrics"]["write-records"])
-            for v in details.get("vertices", [])}
-    return (f"checkpoints {counts} (last completed {time.time() - latest / 1000:.0f} s ago), "
-            f"records (in, out) {flow}; "
-            f"job {details.get('state')}, {len(history)} failures (last: "
-            f"{(history[0].get('exceptionName'), history[0].get('stacktrace', '')[:600]) if history else None}), "
-            f"{_registered_taskmanagers(stack_config)} TaskManagers, {len(committed)} versions committed and "
+    return (f"{job_report(stack_config, job)}; {_registered_taskmanagers(stack_config)} TaskManagers, "
+            f"{len(committed)} versions committed and "
             f"{len(written)} written ({len({v.version_id for v in written})} ids), "
             f"{len(trained & expected)}/{len(expected)} samples in committed versions and "
             f"{len(written_trained & expected)} in written ones; missing (model, window): samples {missing}")
