@@ -24,6 +24,18 @@ def unique() -> str:
     return uuid.uuid4().hex[:10]
 
 
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """The tiny Llama for operator-level tests without the stack, one torch thread (as
+    operators/lora_trainer.py threads_from_env sets by default), built for each module."""
+    import torch
+
+    from streamtune.tinymodel import build_tiny_llama
+
+    torch.set_num_threads(1)
+    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
+
+
 @pytest.fixture(scope="session")
 def base_model(stack_config):
     """The tiny Llama + locally trained tokenizer, as an HF directory (built once, cached)."""

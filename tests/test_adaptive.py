@@ -14,23 +14,15 @@ import re
 import threading
 
 import pytest
-import torch
 
 from core.messages import FeedbackSample, FinetuneSpec, VersionRecord
 from core.errors import InvalidMessage
 from operators.lora_trainer import LoraTrainer
 from pyflink.datastream import TimeDomain
 from streamtune.testing import KeyedTimers, trainer_function
-from streamtune.tinymodel import build_tiny_llama
 
 pytestmark = pytest.mark.adaptive
 T0 = 1_777_000_000_000
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.set_num_threads(1)
-    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 def spec_for(model_id: str, **policy) -> FinetuneSpec:

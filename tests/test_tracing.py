@@ -10,22 +10,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from core.messages import FeedbackSample, FinetuneSpec, VersionRecord
 from operators import tracing
 from pyflink.datastream import TimeDomain
 from streamtune.testing import KeyedTimers, trainer_function
-from streamtune.tinymodel import build_tiny_llama, digit_pairs
+from streamtune.tinymodel import digit_pairs
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.set_num_threads(1)
-    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 @pytest.fixture

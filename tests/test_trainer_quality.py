@@ -12,7 +12,6 @@ import copy
 import json
 
 import pytest
-import torch
 
 from core.messages import (AdapterConfig, ChangeOrigin, FeedbackSample, FinetuneSpec, Retraction, TrainingConfig,
                            VersionRecord)
@@ -22,15 +21,9 @@ from operators.quality import Kept
 from operators.windowing import Pending
 from streamtune.conflicting_tasks import digits_of, task_a, task_b
 from streamtune.testing import KeyedTimers, trainer_function
-from streamtune.tinymodel import build_tiny_llama, digit_pairs
+from streamtune.tinymodel import digit_pairs
 
 WINDOW = 64
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.set_num_threads(1)
-    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 def quality_spec(model_id: str, **sections) -> FinetuneSpec:

@@ -8,24 +8,16 @@ them (streamtune.testing.KeyedTimers): event-time timers when the watermark pass
 
 from __future__ import annotations
 
-import pytest
-import torch
 
 from core.messages import AdapterConfig, FeedbackSample, FinetuneSpec, TrainingConfig, VersionRecord
 from operators.lora_trainer import LoraTrainer
 from operators.quality import Kept
 from pyflink.datastream import TimeDomain
 from streamtune.testing import KeyedTimers, trainer_function
-from streamtune.tinymodel import build_tiny_llama, digit_pairs
+from streamtune.tinymodel import digit_pairs
 
 T0 = 1_777_000_000_000
 PARTITIONS = 4
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.set_num_threads(1)
-    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 def window_spec(model_id: str) -> FinetuneSpec:
