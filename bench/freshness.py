@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=260)
     parser.add_argument("--checkpoint-ms", type=int, default=1000)
     parser.add_argument("--periodic-only", action="store_true",
-                        help="without --checkpoint-on-version: versions wait for the periodic checkpoint")
+                        help="--no-checkpoint-on-version: versions wait for the periodic checkpoint")
     args = parser.parse_args()
     quiet_libraries()
     config = StackConfig.from_env()
@@ -147,7 +147,7 @@ def main() -> None:
         job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", job_args(
             topics, base, tmp / "adapters", "--bootstrap-server", config.kafka_bootstrap,
             "--checkpoint-interval-ms", str(args.checkpoint_ms), "--job-name", f"fresh-{u}",
-            *(() if args.periodic_only else ("--checkpoint-on-version",))))
+            *(("--no-checkpoint-on-version",) if args.periodic_only else ())))
         for watcher in (committed, broadcast, asker):
             watcher.start()
         pairs = digit_pairs((args.windows + WARM_UP_WINDOWS + STEADY_AFTER_S) * PER_WINDOW + 1, seed=4)

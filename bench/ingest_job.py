@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pyflink.common import Types  # noqa: E402
 
 from connectors.flink_kafka import at_least_once_sink  # noqa: E402
-from jobs.wiring import (JobConfig, add_job_arguments, environment, kafka_rows, sink_dead_letters,  # noqa: E402
+from jobs.wiring import (JobConfig, add_job_arguments, environment, input_rows, sink_dead_letters,  # noqa: E402
                          table_environment)
 from operators.finetune_function import FinetuneFunction  # noqa: E402
 from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction  # noqa: E402
@@ -39,7 +39,7 @@ class WindowCounts(FinetuneFunction):
 
 def build(env, job: JobConfig, feedback_topic: str, counts_topic: str) -> None:
     t_env = table_environment(env)
-    rows = kafka_rows(t_env, job, "ingest_input", [feedback_topic, job.config_topic])
+    rows = input_rows(t_env, job, "ingest_input", [feedback_topic])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes),
                              output_type=VALID_TYPE).name("validate").uid("validate")

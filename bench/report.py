@@ -34,7 +34,8 @@ def verdict(value: float, goal: float, at_most: bool = True) -> str:
 def rows() -> list[tuple[str, str, str, str, str]]:
     """(benchmark, measure, figure, goal, run)"""
     out = []
-    for name, how in (("freshness", "`--checkpoint-on-version`"), ("freshness-periodic", "periodic checkpoints only")):
+    for name, how in (("freshness", "the default (checkpoint on version)"),
+                      ("freshness-periodic", "`--no-checkpoint-on-version`")):
         fresh = load(name)
         if not fresh:
             out.append(("freshness", f"window end → committed / registered / broadcast / served, {how}", "not run",

@@ -28,7 +28,7 @@ from pyflink.common import Types
 from pyflink.datastream import StreamExecutionEnvironment
 
 from core.errors import ConfigError
-from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, table_environment, train_and_register
+from jobs.wiring import JobConfig, add_job_arguments, environment, input_rows, table_environment, train_and_register
 from operators.cdc_mapping import CdcMapping
 from operators.row_changes import RowChangeFunction
 from operators.validate import CHANGE_TAG, DLQ_TAG, VALID_TYPE, ValidateFunction
@@ -46,7 +46,7 @@ CDC_CONSUMER_PROPERTIES = {"fetch.max.wait.ms": "5"}
 
 def build(env: StreamExecutionEnvironment, job: JobConfig, cdc_topics: list[str], mapping: CdcMapping) -> None:
     t_env = table_environment(env)
-    rows = kafka_rows(t_env, job, "cdc_input", [*cdc_topics, job.config_topic], CDC_CONSUMER_PROPERTIES)
+    rows = input_rows(t_env, job, "cdc_input", cdc_topics, CDC_CONSUMER_PROPERTIES)
     validated = rows.process(ValidateFunction(mapping.sources, job.config_topic, job.max_record_bytes,
                                               change_topics=frozenset(cdc_topics),
                                               max_event_skew_ms=job.max_event_skew_ms),

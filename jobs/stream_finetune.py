@@ -38,7 +38,7 @@ from pyflink.datastream import StreamExecutionEnvironment
 
 from core import defaults
 from connectors.flink_kafka import exactly_once_sink
-from jobs.wiring import JobConfig, add_job_arguments, environment, kafka_rows, table_environment, train_and_register
+from jobs.wiring import JobConfig, add_job_arguments, environment, input_rows, table_environment, train_and_register
 from operators.pseudo_labels import REVIEW_TAG, PseudoLabelFunction
 from operators.validate import DLQ_TAG, VALID_TYPE, ValidateFunction
 
@@ -49,7 +49,7 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str,
     (operators/pseudo_labels.py) before the trainer; without it the graph is as it was."""
     t_env = table_environment(env)
     inference = [inference_log_topic] if inference_log_topic else []
-    rows = kafka_rows(t_env, job, "streamtune_input", [feedback_topic, job.config_topic, *inference])
+    rows = input_rows(t_env, job, "streamtune_input", [feedback_topic, *inference])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes, inference_topics=frozenset(inference),
                                               max_event_skew_ms=job.max_event_skew_ms,

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -57,8 +58,9 @@ class JobConfig:
     tracking_uri: str = defaults.mlflow_uri()
     register: bool = True                     # the registration pipeline runs in this job
     versions_delivery: str = "exactly-once"   # or "at-least-once": visible at once, repeats after a restore
-    checkpoint_on_version: bool = False       # ask the JobManager for a checkpoint as each version is emitted
+    checkpoint_on_version: bool = True        # ask the JobManager for a checkpoint as each version is emitted
     jobmanager_url: str = defaults.flink_rest_url()
+    embedded_rest_port: Optional[int] = None  # `python -m` runs: the mini-cluster's REST port (from_args)
     unknown_model_grace_ms: int = 30_000
     max_record_bytes: int = 65536
     lateness_ms: int = 0
@@ -83,6 +85,11 @@ class JobConfig:
                   if f.name not in ("job_name", "unknown_model_grace_ms") and hasattr(args, f.name)}
         values["unknown_model_grace_ms"] = int(args.unknown_model_grace_seconds * 1000)
         values["register"] = not args.no_register
+        if values.get("checkpoint_on_version", cls.checkpoint_on_version) and embedded():
+            # No cluster to submit to: this process starts a mini-cluster, whose REST API the
+            # trainer must reach. Flink would pick a random port; pick it here to know it.
+            values["embedded_rest_port"] = free_port()
+            values["jobmanager_url"] = f"http://127.0.0.1:{values['embedded_rest_port']}"
         return cls(job_name=job_name, **{**values, **overrides})
 
     def trainer_settings(self) -> TrainerSettings:
@@ -118,12 +125,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions-delivery", choices=["exactly-once", "at-least-once"], default="exactly-once",
                    help="exactly-once: a version is visible to read_committed readers when its checkpoint "
                         "completes; at-least-once: at once, and again after a restore (readers drop repeats)")
-    p.add_argument("--checkpoint-on-version", action="store_true",
+    p.add_argument("--checkpoint-on-version", action=argparse.BooleanOptionalAction, default=True,
                    help="exactly-once versions commit as soon as they are trained: the trainer asks the "
                         "JobManager (--jobmanager-url) for a checkpoint instead of waiting for the next "
-                        "periodic one (up to one interval)")
+                        "periodic one (up to one interval); --no-checkpoint-on-version: periodic only")
     p.add_argument("--jobmanager-url", default=defaults.flink_rest_url(),
-                   help="the JobManager's REST API as TaskManagers reach it (--checkpoint-on-version)")
+                   help="the JobManager's REST API as TaskManagers reach it (--checkpoint-on-version; "
+                        "a job run with `python -m` uses its own mini-cluster's)")
     p.add_argument("--no-register", action="store_true",
                    help="no registration pipeline in this job (run `streamtune registrar` instead)")
     p.add_argument("--unknown-model-grace-seconds", type=float, default=30.0)
@@ -182,6 +190,10 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
     watermarks every 50 ms, LATENCY_SETTINGS, then `settings` (a job's own) over them, then
     --bundle-time-ms."""
     conf = Configuration()
+    if job.embedded_rest_port:
+        conf.set_string("rest.bind-port", str(job.embedded_rest_port))
+        conf.set_string("rest.address", "127.0.0.1")
+        conf.set_string("rest.bind-address", "127.0.0.1")
     if job.checkpoint_dir:
         conf.set_string("execution.checkpointing.dir", job.checkpoint_dir)
     if job.restore_from:
@@ -221,6 +233,19 @@ def fix_job_id(env: StreamExecutionEnvironment) -> str:
     return job_id
 
 
+def embedded() -> bool:
+    """Whether this process runs its job on a mini-cluster of its own: PyFlink connects to the
+    gateway of `flink run` (and of application mode) through PYFLINK_GATEWAY_PORT, and starts
+    a local JVM without it."""
+    return "PYFLINK_GATEWAY_PORT" not in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def table_environment(env: StreamExecutionEnvironment) -> StreamTableEnvironment:
     return StreamTableEnvironment.create(env)
 
@@ -233,6 +258,21 @@ def kafka_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics
                                       job.idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
                                       job.max_event_skew_ms))
     return t_env.to_data_stream(t_env.from_path(table))
+
+
+def input_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics: list[str],
+               consumer_properties: dict[str, str] | None = None):
+    """`topics` and the job's config topic as rows (kafka_rows), the config topic through a
+    Kafka source of its own.
+
+    Why two sources: one source combines its splits' watermarks, and when every split goes
+    idle in the same check (a backlog read at start-up, then nothing) it marks itself idle
+    without passing on the highest one; windows then wait for the trainer's idle timer. The
+    task after two sources does pass on the highest watermark once both are idle.
+    """
+    data = kafka_rows(t_env, job, table, topics, consumer_properties)
+    configs = kafka_rows(t_env, job, f"{table}_configs", [job.config_topic], consumer_properties, reader="configs")
+    return data.union(configs)
 
 
 def train(trainer_input, job: JobConfig) -> list:

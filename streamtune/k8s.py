@@ -27,8 +27,11 @@ flink-conf/config.yaml, as for the local stack and the image.
 [('ConfigMap', 'st-support-bot-4e29d8b7-pipeline'), ('FlinkDeployment', 'st-support-bot-4e29d8b7'),
  ('Job', 'st-support-bot-4e29d8b7-spec'), ('Deployment', 'st-support-bot-4e29d8b7-serve'),
  ('Service', 'st-support-bot-4e29d8b7-serve')]
->>> job_args(p)[:6]
+>>> args = job_args(p, resource_name("Support-Bot"))
+>>> args[:6]
 ['-py', '/opt/streamtune/jobs/stream_finetune.py', '--bootstrap-server', 'streamtune-kafka-bootstrap:9092', '--feedback-topic', 'clicks']
+>>> args[args.index("--jobmanager-url") + 1]
+'http://st-support-bot-4e29d8b7-rest:8081'
 """
 
 from __future__ import annotations
@@ -144,8 +147,15 @@ def flink_job_name(pipeline: Pipeline) -> str:
     return job_name(pipeline_key(pipeline.name) if pipeline.is_cdc else pipeline.source.topic)
 
 
-def job_args(pipeline: Pipeline, bootstrap: str = KAFKA_BOOTSTRAP) -> list[str]:
-    """PythonDriver's arguments: -py and the job's options (gateway._submit's, in its order)."""
+def rest_url(cluster: str) -> str:
+    """The REST API of a FlinkDeployment, as its TaskManagers reach it: the operator's
+    `<name>-rest` Service (the trainer's --checkpoint-on-version requests go there)."""
+    return f"http://{cluster}-rest:8081"
+
+
+def job_args(pipeline: Pipeline, cluster: str, bootstrap: str = KAFKA_BOOTSTRAP) -> list[str]:
+    """PythonDriver's arguments: -py and the job's options (gateway._submit's, in its order),
+    for a job on the FlinkDeployment `cluster`."""
     t = topics(pipeline)
     if pipeline.is_cdc:
         script = "cdc_retrain.py"
@@ -156,7 +166,8 @@ def job_args(pipeline: Pipeline, bootstrap: str = KAFKA_BOOTSTRAP) -> list[str]:
     return ["-py", f"{APP_DIR}/jobs/{script}", "--bootstrap-server", bootstrap, *source_args,
             "--config-topic", t["configs"], "--versions-topic", t["versions"], "--dlq-topic", t["dlq"],
             "--broadcast-topic", t["adapter-versions"], "--base-model", BASE_MODEL, "--tracking-uri", MLFLOW_URI,
-            "--artifact-store", ARTIFACT_STORE, "--job-name", flink_job_name(pipeline)]
+            "--artifact-store", ARTIFACT_STORE, "--jobmanager-url", rest_url(cluster),
+            "--job-name", flink_job_name(pipeline)]
 
 
 def _meta(name: str, **labels: str) -> dict:
@@ -203,7 +214,7 @@ def flink_deployment(pipeline: Pipeline, gpu: bool = False, image: str = IMAGE) 
                      "podTemplate": {"spec": {"containers": [main], "volumes": volumes}},
                      "jobManager": {"replicas": 1, "resource": {"memory": "1024m", "cpu": 1}},
                      "taskManager": {"resource": {"memory": "3584m", "cpu": 2}, "podTemplate": {"spec": tm_spec}},
-                     "job": _job(PYTHON_JAR, pipeline)}}
+                     "job": _job(PYTHON_JAR, pipeline, resource_name(pipeline.model_id))}}
 
 
 def flink_session_job(pipeline: Pipeline) -> dict:
@@ -214,11 +225,11 @@ def flink_session_job(pipeline: Pipeline) -> dict:
                           "(its mapping file is mounted into the JobManager); render it without --session")
     return {"apiVersion": "flink.apache.org/v1beta1", "kind": "FlinkSessionJob",
             "metadata": _meta(resource_name(pipeline.model_id)),
-            "spec": {"deploymentName": SESSION_CLUSTER, "job": _job(PYTHON_JAR_HTTPS, pipeline)}}
+            "spec": {"deploymentName": SESSION_CLUSTER, "job": _job(PYTHON_JAR_HTTPS, pipeline, SESSION_CLUSTER)}}
 
 
-def _job(jar: str, pipeline: Pipeline) -> dict:
-    return {"jarURI": jar, "entryClass": PYTHON_DRIVER, "args": job_args(pipeline), "parallelism": 1,
+def _job(jar: str, pipeline: Pipeline, cluster: str) -> dict:
+    return {"jarURI": jar, "entryClass": PYTHON_DRIVER, "args": job_args(pipeline, cluster), "parallelism": 1,
             "upgradeMode": "last-state", "state": "running"}
 
 

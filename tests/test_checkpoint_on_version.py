@@ -1,19 +1,20 @@
-"""`--checkpoint-on-version`: an exactly-once version commits as soon as it is trained, not
-at the next periodic checkpoint (connectors/flink_checkpoints.py).
+"""`--checkpoint-on-version` (the default): an exactly-once version commits as soon as it is
+trained, not at the next periodic checkpoint (connectors/flink_checkpoints.py).
 
 Both jobs run with a 300 s checkpoint interval: Flink's first periodic checkpoint comes at a
 random delay between the minimum pause (150 s here, jobs/wiring.py) and the interval, so no
 periodic checkpoint can commit anything in the first 150 s of either job.
 
-- With the option, the version is visible to a read_committed reader within seconds of being
+- By default, the version is visible to a read_committed reader within seconds of being
   written, long before any periodic checkpoint, and the trainer counted the request.
-- Without it (the control, which shows the test can fail), the same version is written (a
+- With --no-checkpoint-on-version (the control, which shows the test can fail), the same version is written (a
   read_uncommitted reader sees it) and stays invisible to read_committed for 30 s, on a job
   that completed no checkpoint and never restarted.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
@@ -39,32 +40,42 @@ def restarts_and_checkpoints(rest_url: str, job_id: str) -> tuple[list[str], int
     return ([e.get("exceptionName", "?") for e in history.get("entries", [])], int(counts.get("completed", 0)))
 
 
-@pytest.mark.parametrize("on_version", [True, False], ids=["on-version", "periodic-only"])
-def test_a_version_commits_at_once_only_with_checkpoint_on_version(stack_config, base_model, tmp_path, unique,
-                                                                   on_version):
+FIXED_JOB_ID = "$internal.pipeline.job-id"  # Flink's PipelineOptionsInternal.PIPELINE_FIXED_JOB_ID
+
+
+# Application mode (the Kubernetes operator's FlinkDeployment) fixes the job id in the
+# cluster's configuration before the driver runs; `flink run -D` puts it in the same place.
+@pytest.mark.parametrize("on_version,fixed_by_cluster", [(True, False), (True, True), (False, False)],
+                         ids=["default", "cluster-fixed-job-id", "periodic-only"])
+def test_a_version_commits_at_once_unless_checkpoint_on_version_is_off(stack_config, base_model, tmp_path, unique,
+                                                                       on_version, fixed_by_cluster):
     # A job that restarted aborts its open transaction, and the local broker shows aborted
     # records to read_committed readers: either arm proves something only on a job that did
     # not restart, so a restarted run is repeated once on a fresh job.
     for attempt in range(2):
         restarted = commits_at_once(stack_config, base_model, tmp_path / f"run{attempt}", f"{unique}{attempt}",
-                                    on_version)
+                                    on_version, {FIXED_JOB_ID: secrets.token_hex(16)} if fixed_by_cluster else None)
         if not restarted:
             return
     pytest.fail(f"the job restarted in both runs ({restarted}): neither shows what it is for")
 
 
-def commits_at_once(stack_config, base_model, tmp_path: Path, unique: str, on_version: bool) -> list[str]:
+def commits_at_once(stack_config, base_model, tmp_path: Path, unique: str, on_version: bool,
+                    properties: dict[str, str] | None) -> list[str]:
     """One run; [] when the job never restarted (the assertions then all held), else the
-    failures it restarted after (the control's visible records prove nothing then)."""
+    failures it restarted after (the control's visible records prove nothing then).
+    `properties`: the cluster's configuration for this job (`flink run -D`)."""
     bootstrap = stack_config.kafka_bootstrap
     topics = job_topics(bootstrap, f"test.cov-{unique}")
     model_id = f"cov-{unique}"
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, tmp_path / "adapters", "--bootstrap-server", bootstrap,
         "--checkpoint-interval-ms", str(INTERVAL_MS), "--idle-close-ms", "1000", "--no-register",
-        "--job-name", f"cov-{unique}", *(("--checkpoint-on-version",) if on_version else ())))
+        "--job-name", f"cov-{unique}", *(() if on_version else ("--no-checkpoint-on-version",))), properties)
     submitted = time.monotonic()
     try:
+        if properties:  # the job kept the id the cluster gave it: that is the one its trainer asks about
+            assert job == properties[FIXED_JOB_ID]
         t0 = (int(time.time() * 1000) // 10_000) * 10_000 - 60_000
         send_config(bootstrap, topics["configs"], spec(model_id, topics, min_samples=4, window_seconds=2), t0)
         send_samples(bootstrap, topics["feedback"], digit_samples(model_id, digit_pairs(4, seed=3), t0, 250))

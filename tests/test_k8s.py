@@ -364,6 +364,10 @@ def test_job_arguments_are_options_of_the_jobs():
         topics = [values[o] for o in ("--config-topic", "--versions-topic", "--dlq-topic", "--broadcast-topic")]
         source = values.get("--feedback-topic") or values["--cdc-topic"]
         assert len(set(topics + [source])) == 5, where
+        # Checkpoints on version (the default) go to the REST Service the operator creates
+        # for the cluster the job runs on; the default 127.0.0.1 would be the TaskManager's pod.
+        cluster = obj["spec"]["deploymentName"] if obj["kind"] == "FlinkSessionJob" else obj["metadata"]["name"]
+        assert values["--jobmanager-url"] == f"http://{cluster}-rest:8081", where
     assert seen == {"stream_finetune.py", "cdc_retrain.py"}
 
 

@@ -159,11 +159,12 @@ def flink_cli(config, *args: str, timeout: float = 300) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-def submit_detached(config, script: Path, args: list[str]) -> str:
-    """`flink run -d -py script args…` against the stack's cluster; returns the job id."""
+def submit_detached(config, script: Path, args: list[str], properties: dict[str, str] | None = None) -> str:
+    """`flink run -d [-Dkey=value…] -py script args…` against the stack's cluster; returns the job id."""
     import re
 
-    result = flink_cli(config, "run", "-d", "-py", str(script), *args)
+    result = flink_cli(config, "run", "-d", *(f"-D{k}={v}" for k, v in (properties or {}).items()),
+                       "-py", str(script), *args)
     job = re.search(r"JobID ([0-9a-f]{32})", result.stdout)
     if result.returncode != 0 or not job:
         raise StackError(f"flink run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
