@@ -180,7 +180,7 @@ def test_serve_beyond_loopback_needs_a_signing_key_unless_insecure(monkeypatch, 
 def test_job_far_future_record_does_not_move_event_time(defence, stack_config, base_model, unique, tmp_path):
     """A producer writes straight to the job's topic. Ten samples of window W1 and ten of W2:
     W1 closes on W2's samples (version 1) while W2 waits for a later sample (the config, stamped
-    at W2's end, keeps its partition from holding the watermark before that). Then one sample
+    at W1's start, moves event time no further than the samples do). Then one sample
     stamped ten years ahead. On: it is dead-lettered (`timestamp`, kind sample) and W2 closes
     only when a normal sample passes its end (version 2, its ten samples). Off
     (--max-event-skew-ms 0): the far-future record alone closes W2: event time moved forward."""
@@ -200,10 +200,10 @@ def test_job_far_future_record_does_not_move_event_time(defence, stack_config, b
     try:
         wait_for(lambda: job_state(stack_config, job) == "RUNNING", 90, "the job to run")
         model_id, t0 = f"ev-{unique}", 1_776_000_000_000  # past windows of 2 s: W1 = [t0, t0+2s), W2 after it
-        # The job's watermark is the least of its partitions': the config partition's is its
-        # record's stamp, so the config is stamped at W2's end (t0 + 4 s), where it holds the
-        # watermark no earlier than the feedback partition needs to show the far record's effect.
-        send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0 + 4000)
+        # The config comes through a source of its own (jobs/wiring.py input_rows): once both
+        # sources are idle the job's watermark is the higher of the two, so the config is stamped
+        # at W1's start, where it cannot close W2 by itself.
+        send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)
         send_samples(boot, topics["feedback"], digit_samples(model_id, digit_pairs(10, seed=4), t0 + 100, 100, "a")
                      + digit_samples(model_id, digit_pairs(10, seed=5), t0 + 2100, 100, "b"))
         # The first version waits on the Python workers' start and the base model's load:
