@@ -333,6 +333,19 @@ def records_read(config, job_id: str, vertex: str) -> int:
     return sum(v["metrics"]["read-records"] for v in details.get("vertices", []) if vertex in v["name"])
 
 
+def input_watermark(config, job_id: str, vertex: str) -> int:
+    """The least input watermark (ms) of the job's vertices named like `vertex` over their
+    subtasks (Flink REST); Long.MIN_VALUE before any arrived."""
+    import requests
+
+    rest = config.flink_rest_url
+    details = requests.get(f"{rest}/jobs/{job_id}", timeout=5).json()
+    marks = [int(m["value"]) for v in details.get("vertices", []) if vertex in v["name"]
+             for m in requests.get(f"{rest}/jobs/{job_id}/vertices/{v['id']}/watermarks", timeout=5).json()
+             if m["id"].endswith(".currentInputWatermark")]
+    return min(marks, default=-2**63)
+
+
 def restored_and_running(config, job_id: str) -> bool:
     """The job runs again from a restored checkpoint, every vertex RUNNING (Flink REST).
 

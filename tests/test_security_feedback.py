@@ -187,7 +187,7 @@ def test_job_far_future_record_does_not_move_event_time(defence, stack_config, b
     from core.messages import VersionRecord
     from streamtune.feedback import digit_samples, send_config, send_samples
     from streamtune.stack.flink import cancel_job, job_state, submit_detached
-    from streamtune.testing import job_args, job_topics, spec, wait_for, wait_for_records
+    from streamtune.testing import input_watermark, job_args, job_topics, spec, wait_for, wait_for_records
     from streamtune.tinymodel import digit_pairs
 
     boot = stack_config.kafka_bootstrap
@@ -204,6 +204,13 @@ def test_job_far_future_record_does_not_move_event_time(defence, stack_config, b
         # sources are idle the job's watermark is the higher of the two, so the config is stamped
         # at W1's start, where it cannot close W2 by itself.
         send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)
+        # The samples go once validate's Python worker has started (the config's watermark is
+        # through it). A Python operator holds a watermark until its bundle ends but passes on
+        # "idle" at once, and Flink drops a watermark sent after "idle": samples sent into a
+        # worker still starting could see their watermark lost once both sources fell idle,
+        # and here (idle close off) nothing else would close W1.
+        wait_for(lambda: input_watermark(stack_config, job, "lora-trainer") >= t0, 400,
+                 "the config's watermark through validate")
         send_samples(boot, topics["feedback"], digit_samples(model_id, digit_pairs(10, seed=4), t0 + 100, 100, "a")
                      + digit_samples(model_id, digit_pairs(10, seed=5), t0 + 2100, 100, "b"))
         # The first version waits on the Python workers' start and the base model's load:
