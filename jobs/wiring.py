@@ -267,8 +267,11 @@ def input_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics
 
     Why two sources: one source combines its splits' watermarks, and when every split goes
     idle in the same check (a backlog read at start-up, then nothing) it marks itself idle
-    without passing on the highest one; windows then wait for the trainer's idle timer. The
-    task after two sources does pass on the highest watermark once both are idle.
+    without passing on the highest one. The task after two sources does pass on the highest
+    watermark once both are idle. One stall remains, which only the trainer's idle timer ends:
+    a Python operator (validate) holds a watermark until its bundle ends but passes "idle" on
+    at once, and Flink drops a watermark sent after "idle"; at start-up the first bundle waits
+    for the Python worker, longer than the sources take to fall idle after a backlog.
     """
     data = kafka_rows(t_env, job, table, topics, consumer_properties)
     configs = kafka_rows(t_env, job, f"{table}_configs", [job.config_topic], consumer_properties, reader="configs")
