@@ -61,6 +61,16 @@ def row_key_of(origin: ChangeOrigin) -> dict:
     return json.loads(origin.row_key.rsplit("/", 1)[1])
 
 
+def forced_missing_report(boot: str, topics: dict, tmp: Path) -> str:
+    """Where a missing forced version stopped: written but not committed, or never trained
+    (the changes the job read, the versions written uncommitted too, the job's log)."""
+    changes = [r.value[:160] for r in read_topic(boot, topics["pg"], timeout=10, idle=1.0)]
+    written = [(v.version_id, v.trigger, v.metrics.samples) for v in (VersionRecord.from_json(r.value) for r in
+               read_topic(boot, topics["versions"], timeout=10, idle=1.0, read_committed=False))]
+    return (f"no forced version; versions written (uncommitted included): {written}\n"
+            f"pg changes: {changes}\njob log: {(tmp / 'job.log').read_text()[-3000:]}")
+
+
 def row_ids(version: VersionRecord) -> list[int]:
     return sorted(int(row_key_of(o)["id"]) for o in version.lineage.origins)
 
@@ -150,6 +160,7 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path, para
         psql(dsn, f"INSERT INTO {policies} VALUES (1, 'be brief')")
         versions = wait_for_records(boot, topics["versions"], VersionRecord, 1, 120,
                                     predicate=lambda r: r.model_id == pg_model and r.trigger == "forced")
+        assert versions, forced_missing_report(boot, topics, tmp_path)
         forced = versions[0]
         assert row_ids(forced) == [9]
         assert [row_key_of(r)["id"] for r in forced.lineage.retracted] == [3]
