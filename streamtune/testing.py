@@ -299,7 +299,7 @@ def trainer_function(base, store_dir, **settings):
     fn.store = ArtifactStore(fn.settings.artifact_store)
     for attribute in FinetuneFunction.KEYED_STATE:
         setattr(fn, attribute, InMemoryValue())
-    fn.champion_files, fn.counters, fn.opened_at = {}, TallyCounters(), 0
+    fn.champion_files, fn.counters, fn.opened_at, fn.armed_here = {}, TallyCounters(), 0, set()
     fn.watch_pending()
     return fn
 

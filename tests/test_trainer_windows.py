@@ -162,6 +162,27 @@ def test_a_sample_arriving_rearms_the_idle_timer(base, tmp_path):
     assert fn.counters.counts["windows_closed_idle"] == 0 and len(fn.pending.value()) == 3
 
 
+def test_an_idle_timer_lost_in_a_restore_is_armed_again_by_the_next_sample(base, tmp_path):
+    """A restore that brings back the idle timer's state but not the timer (seen with PyFlink
+    2.0.2): the model's next sample arms it again, and the quiet model's window still closes."""
+    from operators.finetune_function import FinetuneFunction
+
+    fn, ctx = trainer_function(base, tmp_path, idle_close_ms=5000), KeyedTimers("lost", now_ms=10_000)
+    records = [r for part in partitioned_records("lost", 12, span_ms=900) for r in part]  # one window
+    assert run(fn, ctx, window_spec("lost"), records[:8]) == []
+    assert fn.idle.value() and ctx.processing_timers, "the idle timer armed"
+    restored = trainer_function(base, tmp_path, idle_close_ms=5000)
+    for attribute in FinetuneFunction.KEYED_STATE:  # the checkpointed state, and no timer
+        setattr(restored, attribute, getattr(fn, attribute))
+    restored.opened_at, after = 20_000, KeyedTimers("lost", now_ms=20_000)
+    out = [r for record in records[8:] for r in restored.process_element(record, after)]
+    assert after.processing_timers, "the next sample armed the idle timer again"
+    after.domain, after.now_ms = TimeDomain.PROCESSING_TIME, 20_000 + 1000 + 5000
+    out += [r for t in after.due_processing_timers() for r in restored.on_timer(t, after)]
+    versions = [VersionRecord.from_json(r) for r in out if isinstance(r, str)]
+    assert sorted(i for v in versions for i in v.lineage.sample_ids) == sorted(f"s{i}" for i in range(12))
+
+
 def test_adapters_evicted_from_a_bounded_worker_train_on_to_the_same_bytes(base):
     adapter = AdapterConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
     training = TrainingConfig(lr=0.01, micro_batch_size=4)
