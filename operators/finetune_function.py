@@ -31,6 +31,7 @@ from operators.counters import FunctionCounters
 from operators.granularity import GranularityState, next_state
 from operators.quality import (Kept, QualityState, SetScores, decide, draw_replay, eval_roots, is_held_out,
                                load_fixed)
+from operators.timers import ArmedHere
 from operators.tracing import span
 from operators.validate import DLQ_TAG, dead_letter
 from operators.windowing import Pending, due_batch, offset_ranges, steps, window_end, window_start
@@ -128,7 +129,7 @@ class FinetuneFunction(KeyedProcessFunction):
         # may hold the config) is read: grace periods and idle timers count running time from
         # here, once the base model is loaded (seconds on a loaded machine).
         self.opened_at = int(time.time() * 1000)
-        self.armed_here: set[tuple[str, str]] = set()  # (timer, model): grace and idle timers this worker armed
+        self.armed_here = ArmedHere()  # grace and idle timers: one restored may be lost (operators/timers.py)
 
         for attribute, name in self.KEYED_STATE.items():
             setattr(self, attribute, runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())))
@@ -234,13 +235,13 @@ class FinetuneFunction(KeyedProcessFunction):
         now = ctx.timer_service().current_processing_time()
         self.last_seen.update(now)
         if cfg is None:
-            if not self._armed_here(self.grace, "grace", ctx.get_current_key()):
+            if not self.armed_here.holds(self.grace, "grace", ctx.get_current_key()):
                 # Wall-clock grace: a config sent moments after the first samples always wins,
                 # even when a backlog moves event time far ahead within those moments.
                 deadline = now + self.settings.unknown_model_grace_ms
                 self.grace.update(deadline)
                 ctx.timer_service().register_processing_time_timer(deadline)
-                self.armed_here.add(("grace", ctx.get_current_key()))
+                self.armed_here.add("grace", ctx.get_current_key())
             return
         # Only the watermark closes this sample's window (on_timer): how the partitions of
         # the input interleave never changes which samples a window holds.
@@ -310,21 +311,14 @@ class FinetuneFunction(KeyedProcessFunction):
             self.timer.update(first)
         for end in {window_end(s.ts, size) for s in pending}:
             ctx.timer_service().register_event_time_timer(end)  # idempotent per (key, time)
-        if pending and not self._armed_here(self.idle, "idle", ctx.get_current_key()):
+        if pending and not self.armed_here.holds(self.idle, "idle", ctx.get_current_key()):
             self._arm_idle_timer(ctx, ctx.timer_service().current_processing_time(), spec)
 
     def _arm_idle_timer(self, ctx, since: int, spec: FinetuneSpec) -> None:
         deadline = since + spec.trigger_policy.window_seconds * 1000 + self.settings.idle_close_ms
         self.idle.update(deadline)
         ctx.timer_service().register_processing_time_timer(deadline)
-        self.armed_here.add(("idle", ctx.get_current_key()))
-
-    def _armed_here(self, deadline_state, timer: str, model_id: str) -> bool:
-        """Whether `deadline_state` holds a deadline whose timer this worker armed. A restore can
-        bring back a pending timer's state without the timer (seen with PyFlink 2.0.2): one
-        armed before it is armed again by the model's next sample (the old one, should it
-        fire, no longer matches the state and is ignored)."""
-        return deadline_state.value() is not None and (timer, model_id) in self.armed_here
+        self.armed_here.add("idle", ctx.get_current_key())
 
     # -- time ---------------------------------------------------------------------------
     def on_timer(self, timestamp, ctx):

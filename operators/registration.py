@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +37,7 @@ from pyflink.datastream.state import ValueStateDescriptor
 from core.errors import ArtifactIntegrityError, InvalidMessage
 from core.messages import VersionRecord
 from operators.counters import FunctionCounters
+from operators.timers import ArmedHere
 from operators.tracing import span
 from operators.validate import DLQ_TAG, dead_letter
 
@@ -73,11 +73,9 @@ class RegistrationFunction(KeyedProcessFunction):
     POLL_MS and emits its broadcast when its registration is done; the queue and the timer are
     keyed state, so after a restore the head is registered again (idempotent by version_id).
 
-    A restore can bring back a pending timer's state without the timer (seen with PyFlink
-    2.0.2 after a TaskManager kill, while a poll was re-armed every 20 ms around the
-    checkpoint). The state names the worker that armed the timer: one armed before the restore
-    does not hold back the model's next version, which starts the queue again. Until that
-    version comes, a queue whose timer was lost waits.
+    A restore can bring back a pending timer's state without the timer (operators/timers.py):
+    a poll or retry armed before the restore does not hold back the model's next version,
+    which starts the queue again. Until that version comes, a queue whose timer was lost waits.
     """
 
     def __init__(self, tracking_uri: str, artifact_store: str):
@@ -101,10 +99,9 @@ class RegistrationFunction(KeyedProcessFunction):
         self.unfinished_runs: deque[str] = deque()  # appended by the registration thread
         self.closed = False
         self.queue = runtime_context.get_state(ValueStateDescriptor("queue", Types.PICKLED_BYTE_ARRAY()))
-        # (due ms, backoff ms, worker): the one pending timer of this model, a poll (backoff 0)
-        # or a retry, and the worker that armed it
+        # (due ms, backoff ms): the one pending timer of this model, a poll (backoff 0) or a retry
         self.timer = runtime_context.get_state(ValueStateDescriptor("timer", Types.PICKLED_BYTE_ARRAY()))
-        self.worker = secrets.token_hex(8)
+        self.armed_here = ArmedHere()
         self.counters = FunctionCounters(runtime_context.get_metrics_group(), (
             "versions_in", "registered", "already_registered", "integrity_failures", "registration_retries",
             "run_finish_failures"))
@@ -118,10 +115,10 @@ class RegistrationFunction(KeyedProcessFunction):
         self.counters.inc("versions_in")
         queue = (self.queue.value() or []) + [tuple(value[1:])]
         self.queue.update(queue)
-        timer = self.timer.value()
-        # A poll or a retry armed by this worker is pending: it keeps the model's order. One
-        # armed before a restore may be lost: start the queue's head again.
-        if timer is None or timer[2:] != (self.worker,):
+        # A poll or a retry this worker armed is pending: it keeps the model's order. One armed
+        # before a restore may be lost: the queue's head starts again.
+        if not self.armed_here.holds(self.timer, "poll", ctx.get_current_key()):
+            timer = self.timer.value()
             self._submit(queue[0])
             self._arm(ctx, POLL_MS, backoff_ms=timer[1] if timer else 0)
         return iter(())
@@ -170,8 +167,9 @@ class RegistrationFunction(KeyedProcessFunction):
 
     def _arm(self, ctx, delay_ms: int, backoff_ms: int) -> None:
         due = ctx.timer_service().current_processing_time() + delay_ms
-        self.timer.update((due, backoff_ms, self.worker))
+        self.timer.update((due, backoff_ms))
         ctx.timer_service().register_processing_time_timer(due)
+        self.armed_here.add("poll", ctx.get_current_key())
 
     def _submit(self, entry: tuple) -> Future:
         """The registration of queue entry `entry`, started if it is not running: keyed by its
