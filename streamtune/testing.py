@@ -315,6 +315,39 @@ class CountingCounter:
         self.count += n
 
 
+class InMemoryMetrics:
+    """Flink's metric group reduced to counters that count and gauges that are dropped."""
+
+    def counter(self, name: str) -> CountingCounter:
+        return CountingCounter()
+
+    def gauge(self, name: str, value) -> None:
+        pass
+
+
+class InMemoryRuntimeContext:
+    """What a function's open() asks of Flink's runtime context: keyed state, one InMemoryValue
+    per descriptor name in `state`, and metrics. Two functions opened on the same `state`
+    dict are a worker and its restore.
+
+    >>> from pyflink.datastream.state import ValueStateDescriptor
+    >>> from pyflink.common import Types
+    >>> state = {}
+    >>> InMemoryRuntimeContext(state).get_state(ValueStateDescriptor("queue", Types.STRING())).update("v1")
+    >>> InMemoryRuntimeContext(state).get_state(ValueStateDescriptor("queue", Types.STRING())).value()
+    'v1'
+    """
+
+    def __init__(self, state: dict | None = None):
+        self.state = {} if state is None else state
+
+    def get_state(self, descriptor) -> InMemoryValue:
+        return self.state.setdefault(descriptor.name, InMemoryValue())
+
+    def get_metrics_group(self) -> InMemoryMetrics:
+        return InMemoryMetrics()
+
+
 def row_change_function(mapping):
     """RowChangeFunction with in-memory state and counters: its process_element, no Flink."""
     from collections import defaultdict

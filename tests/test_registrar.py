@@ -192,31 +192,6 @@ def test_duplicate_without_broadcast_is_broadcast(stack_config, registrar, uniqu
     assert [AdapterVersionBroadcast.from_json(m.value).version_id for m in messages] == [record.version_id]
 
 
-class _RestoredContext:
-    """The runtime context a Python function opens with after a restore: its keyed state as
-    checkpointed (`state`), metrics that count nothing."""
-
-    def __init__(self, state: dict):
-        self.state = state
-
-    def get_state(self, descriptor):
-        from streamtune.testing import InMemoryValue
-
-        return self.state.setdefault(descriptor.name, InMemoryValue())
-
-    def get_metrics_group(self):
-        from streamtune.testing import CountingCounter
-
-        class Group:
-            def counter(self, name):
-                return CountingCounter()
-
-            def gauge(self, name, fn):
-                return None
-
-        return Group()
-
-
 @pytest.mark.guarantees
 def test_registration_queue_restored_without_its_timer_resumes_on_the_next_version(stack_config, unique,
                                                                                     tmp_path):
@@ -229,7 +204,7 @@ def test_registration_queue_restored_without_its_timer_resumes_on_the_next_versi
 
     from connectors.artifact_store import store_uri
     from operators.registration import RegistrationFunction
-    from streamtune.testing import KeyedTimers
+    from streamtune.testing import InMemoryRuntimeContext, KeyedTimers
 
     model_id = f"restored-{unique}"
     records = [make_record(tmp_path, model_id, seq, 1.0 / seq) for seq in (1, 2)]
@@ -238,7 +213,7 @@ def test_registration_queue_restored_without_its_timer_resumes_on_the_next_versi
 
     def opened() -> RegistrationFunction:
         fn = RegistrationFunction(stack_config.mlflow_uri, store_uri(str(tmp_path / "store")))
-        fn.open(_RestoredContext(state))
+        fn.open(InMemoryRuntimeContext(state))
         return fn
 
     before = opened()

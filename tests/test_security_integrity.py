@@ -28,7 +28,7 @@ from connectors.artifact_store import ADDRESS_RULE_ENV, WEIGHTS, ArtifactStore, 
 from core.messages import AdapterVersionBroadcast, DeadLetter, VersionRecord
 from core.messages.version import EXAMPLE
 from streamtune.local_job import kill_group, spawn_logged
-from streamtune.testing import CountingCounter, InMemoryValue, KeyedTimers, free_port, wait_for
+from streamtune.testing import InMemoryRuntimeContext, KeyedTimers, free_port, wait_for
 
 pytestmark = [pytest.mark.security]
 
@@ -127,24 +127,6 @@ def test_same_weights_with_another_config_is_another_version(rule, adapter, tmp_
 
 
 # -- registration --------------------------------------------------------------------------
-class _Metrics:
-    def counter(self, name: str) -> CountingCounter:
-        return CountingCounter()
-
-    def gauge(self, name: str, value) -> None:
-        pass
-
-
-class _Runtime:
-    """What RegistrationFunction.open asks of Flink's runtime context: state and metrics."""
-
-    def get_state(self, descriptor) -> InMemoryValue:
-        return InMemoryValue()
-
-    def get_metrics_group(self) -> _Metrics:
-        return _Metrics()
-
-
 def register(stack_config, store: ArtifactStore, records: list[VersionRecord]) -> tuple[list[str], list[DeadLetter]]:
     """The job's registration operator, in order, as Flink drives it: (broadcast JSONs, dead letters)."""
     from pyflink.datastream import TimeDomain
@@ -153,7 +135,7 @@ def register(stack_config, store: ArtifactStore, records: list[VersionRecord]) -
     from operators.validate import DLQ_TAG
 
     fn = RegistrationFunction(stack_config.mlflow_uri, store.uri)
-    fn.open(_Runtime())
+    fn.open(InMemoryRuntimeContext())
     ctx = KeyedTimers(records[0].model_id, now_ms=1_000)
     out: list = []
     try:
