@@ -24,6 +24,20 @@ def unique() -> str:
     return uuid.uuid4().hex[:10]
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test leaves os.environ as it found it. Functions driven in-process set variables
+    for their own worker (the registration operator turns MLflow's client retries off); left
+    behind, they would change how later tests' clients behave."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     """The tiny Llama for operator-level tests without the stack, one torch thread (as
