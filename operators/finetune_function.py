@@ -15,6 +15,7 @@ record goes out with the decision (`gate`), so a replay decides the same.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -51,6 +52,12 @@ class TrainerSettings:
 
 
 JOB_ID_PARAMETER = "streamtune.job-id"  # a global job parameter (jobs/wiring.py fixes the job's id)
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_of(body: str) -> FinetuneSpec:
+    """The config in force, parsed once per worker, not once per sample (specs are frozen)."""
+    return FinetuneSpec.from_json(body)
 
 
 def version_id_for(model_id: str, end: int, batch: list[Pending]) -> str:
@@ -130,6 +137,7 @@ class FinetuneFunction(KeyedProcessFunction):
         # here, once the base model is loaded (seconds on a loaded machine).
         self.opened_at = int(time.time() * 1000)
         self.armed_here = ArmedHere()  # grace and idle timers: one restored may be lost (operators/timers.py)
+        self.window_timers_here: dict[str, int] = {}  # model -> the last window end it registered here
 
         for attribute, name in self.KEYED_STATE.items():
             setattr(self, attribute, runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())))
@@ -245,7 +253,7 @@ class FinetuneFunction(KeyedProcessFunction):
             return
         # Only the watermark closes this sample's window (on_timer): how the partitions of
         # the input interleave never changes which samples a window holds.
-        self._ensure_window_timer(ctx, FinetuneSpec.from_json(cfg["spec"]), pending[-1:])
+        self._ensure_window_timer(ctx, spec_of(cfg["spec"]), pending[-1:])
 
     def _on_config(self, body: str, ctx):
         spec = FinetuneSpec.from_json(body)
@@ -271,7 +279,7 @@ class FinetuneFunction(KeyedProcessFunction):
         if cfg is None or not pending:
             self.counters.inc("triggers_ignored")  # nothing to train: a trigger is not a sample
             return
-        spec = FinetuneSpec.from_json(cfg["spec"])
+        spec = spec_of(cfg["spec"])
         batch = sorted(pending, key=lambda s: s.order)
         end = trigger.window_end or window_end(batch[-1].ts, spec.trigger_policy.window_seconds)
         self.pending.clear()
@@ -309,8 +317,13 @@ class FinetuneFunction(KeyedProcessFunction):
         first = window_end(min(s.ts for s in pending), size) if pending else None
         if first is not None and (self.timer.value() is None or first < self.timer.value()):
             self.timer.update(first)
+        key = ctx.get_current_key()
         for end in {window_end(s.ts, size) for s in pending}:
-            ctx.timer_service().register_event_time_timer(end)  # idempotent per (key, time)
+            # Idempotent per (key, time) in Flink, but each call is a message to the JVM: once
+            # per window, not per sample. A restored worker starts with none, so registers again.
+            if self.window_timers_here.get(key) != end:
+                ctx.timer_service().register_event_time_timer(end)
+                self.window_timers_here[key] = end
         if pending and not self.armed_here.holds(self.idle, "idle", ctx.get_current_key()):
             self._arm_idle_timer(ctx, ctx.timer_service().current_processing_time(), spec)
 
@@ -329,9 +342,10 @@ class FinetuneFunction(KeyedProcessFunction):
             if self.idle.value() == timestamp:
                 yield from self._on_idle(timestamp, ctx)
             return
+        self.window_timers_here.pop(ctx.get_current_key(), None)  # a late sample registers its window again
         cfg = self.config.value()
         if cfg is not None:
-            yield from self._close_windows(ctx, FinetuneSpec.from_json(cfg["spec"]), cfg, timestamp)
+            yield from self._close_windows(ctx, spec_of(cfg["spec"]), cfg, timestamp)
 
     def _on_grace_end(self, timestamp: int, ctx):
         """No config came within the grace period: the model's samples go to the DLQ."""
@@ -359,7 +373,7 @@ class FinetuneFunction(KeyedProcessFunction):
         cfg, pending = self.config.value(), self.pending.value() or []
         if cfg is None or not pending:
             return
-        spec = FinetuneSpec.from_json(cfg["spec"])
+        spec = spec_of(cfg["spec"])
         # A restore's downtime does not count: the backlog of this model may be on its way.
         last = max(self.last_seen.value() or 0, self.opened_at)
         if last + spec.trigger_policy.window_seconds * 1000 + self.settings.idle_close_ms > timestamp:

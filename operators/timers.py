@@ -33,4 +33,4 @@ class ArmedHere:
 
     def holds(self, deadline_state, timer: str, key: str) -> bool:
         """Whether `deadline_state` holds a deadline whose timer this worker armed."""
-        return deadline_state.value() is not None and (timer, key) in self._armed
+        return (timer, key) in self._armed and deadline_state.value() is not None  # the set first: no state read

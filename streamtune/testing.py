@@ -301,6 +301,7 @@ def trainer_function(base, store_dir, **settings):
     for attribute in FinetuneFunction.KEYED_STATE:
         setattr(fn, attribute, InMemoryValue())
     fn.champion_files, fn.counters, fn.opened_at, fn.armed_here = {}, TallyCounters(), 0, ArmedHere()
+    fn.window_timers_here = {}
     fn.watch_pending()
     return fn
 
