@@ -54,6 +54,11 @@ class TrainerSettings:
 JOB_ID_PARAMETER = "streamtune.job-id"  # a global job parameter (jobs/wiring.py fixes the job's id)
 
 
+# How stale the last_seen in state may be (it is also kept exactly in memory): an idle close
+# after a restore can come this much early, never late.
+LAST_SEEN_WRITE_MS = 250
+
+
 @functools.lru_cache(maxsize=4096)
 def spec_of(body: str) -> FinetuneSpec:
     """The config in force, parsed once per worker, not once per sample (specs are frozen)."""
@@ -136,8 +141,7 @@ class FinetuneFunction(KeyedProcessFunction):
         # may hold the config) is read: grace periods and idle timers count running time from
         # here, once the base model is loaded (seconds on a loaded machine).
         self.opened_at = int(time.time() * 1000)
-        self.armed_here = ArmedHere()  # grace and idle timers: one restored may be lost (operators/timers.py)
-        self.window_timers_here: dict[str, int] = {}  # model -> the last window end it registered here
+        self.start_worker_memory()
 
         for attribute, name in self.KEYED_STATE.items():
             setattr(self, attribute, runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())))
@@ -210,6 +214,15 @@ class FinetuneFunction(KeyedProcessFunction):
             self.counters.inc("checkpoint_request_failures", failures - self.checkpoint_failures)
             self.checkpoint_failures = failures
 
+    def start_worker_memory(self) -> None:
+        """What this worker remembers beside its keyed state, empty after a restore or rescale.
+        Each keyed-state write is a round trip to the JVM when a bundle ends, so what changes
+        with every sample is written as rarely as its reader allows."""
+        self.armed_here = ArmedHere()  # grace and idle timers: one restored may be lost (operators/timers.py)
+        self.window_timers_here: dict[str, int] = {}  # model -> the last window end it registered here
+        self.last_seen_here: dict[str, int] = {}  # model -> processing time of its last sample, exact
+        self.last_seen_saved: dict[str, int] = {}  # model -> the last_seen this worker last wrote to state
+
     def watch_pending(self) -> None:
         """The gauges' in-memory side: pending counts per model, the last step's loss and state size."""
         self.pending = PendingSizes(self.pending, {})
@@ -241,7 +254,11 @@ class FinetuneFunction(KeyedProcessFunction):
             body, row_key)]
         self.pending.update(pending)
         now = ctx.timer_service().current_processing_time()
-        self.last_seen.update(now)
+        key = ctx.get_current_key()
+        self.last_seen_here[key] = now
+        if now - self.last_seen_saved.get(key, now - LAST_SEEN_WRITE_MS) >= LAST_SEEN_WRITE_MS:
+            self.last_seen.update(now)  # for a restore, whose own opened_at mostly counts anyway
+            self.last_seen_saved[key] = now
         if cfg is None:
             if not self.armed_here.holds(self.grace, "grace", ctx.get_current_key()):
                 # Wall-clock grace: a config sent moments after the first samples always wins,
@@ -375,7 +392,7 @@ class FinetuneFunction(KeyedProcessFunction):
             return
         spec = spec_of(cfg["spec"])
         # A restore's downtime does not count: the backlog of this model may be on its way.
-        last = max(self.last_seen.value() or 0, self.opened_at)
+        last = max(self.last_seen.value() or 0, self.last_seen_here.get(ctx.get_current_key(), 0), self.opened_at)
         if last + spec.trigger_policy.window_seconds * 1000 + self.settings.idle_close_ms > timestamp:
             self._arm_idle_timer(ctx, last, spec)
             return

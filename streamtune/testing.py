@@ -293,15 +293,14 @@ def trainer_function(base, store_dir, **settings):
     a tally for counters: its process_element, on_timer and _fire, no Flink."""
     from connectors.artifact_store import ArtifactStore, store_uri
     from operators.finetune_function import FinetuneFunction, TrainerSettings
-    from operators.timers import ArmedHere
 
     fn = FinetuneFunction(TrainerSettings(default_base_model=str(base), artifact_store=store_uri(str(store_dir)),
                                           **{"unknown_model_grace_ms": 1000, **settings}))
     fn.store = ArtifactStore(fn.settings.artifact_store)
     for attribute in FinetuneFunction.KEYED_STATE:
         setattr(fn, attribute, InMemoryValue())
-    fn.champion_files, fn.counters, fn.opened_at, fn.armed_here = {}, TallyCounters(), 0, ArmedHere()
-    fn.window_timers_here = {}
+    fn.champion_files, fn.counters, fn.opened_at = {}, TallyCounters(), 0
+    fn.start_worker_memory()
     fn.watch_pending()
     return fn
 
