@@ -56,6 +56,7 @@ from streamtune.stack import StackConfig  # noqa: E402
 from streamtune.stack.flink import cancel_job, submit_detached  # noqa: E402
 from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for, wait_for_records  # noqa: E402
 
+GOAL_RATIO = 0.5  # the project's goal: the job ingests at least half as fast as Flink SQL
 WINDOW_MS = 60_000  # sql/samples_per_model.sql's TUMBLE; the job's spec gets the same
 T0 = 1_770_000_000_000 // WINDOW_MS * WINDOW_MS
 BAD_RECORD = "{not json"
@@ -264,9 +265,11 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
               "parallelism": 1, "arms": arms, "ratio_over_sql": ratios}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print("\ningest at parallelism 1, records/s while windows close (no goal set; we ask for the ratio):")
+    print(f"\ningest at parallelism 1, {models} models, records/s while windows close "
+          f"(goal, the project's: >= {GOAL_RATIO} of SQL):")
     for arm, a in arms.items():
-        ratio = f"{ratios[arm]:.4f} of SQL" if arm in ratios else ""
+        ratio = (f"{ratios[arm]:.4f} of SQL: goal >= {GOAL_RATIO} "
+                 f"{'met' if ratios[arm] >= GOAL_RATIO else 'NOT met'}") if arm in ratios else ""
         print(f"  {arm:<18} {a['records_per_s']:>10.0f}   {ratio}")
     print("  every window's count matches what was sent; dead letters: "
           + ", ".join(f"{arm} {a['dead_lettered']} of {a['bad_read']}" for arm, a in arms.items() if "bad_read" in a)

@@ -236,6 +236,7 @@ class KeyedTimers:
         self.key, self.now_ms = key, now_ms
         self.event_timers: set[int] = set()
         self.processing_timers: set[int] = set()
+        self.event_registrations: list[int] = []  # every call, repeats included (each is a message to the JVM)
         self.domain = None
 
     def get_current_key(self) -> str:
@@ -249,6 +250,7 @@ class KeyedTimers:
 
     def register_event_time_timer(self, ts: int) -> None:
         self.event_timers.add(ts)
+        self.event_registrations.append(ts)
 
     def register_processing_time_timer(self, ts: int) -> None:
         self.processing_timers.add(ts)
