@@ -331,9 +331,10 @@ class FinetuneFunction(KeyedProcessFunction):
         size = spec.trigger_policy.window_seconds
         # The earliest window first, whatever arrived before it: a later window's sample from a
         # faster partition must not move the next window to close past an earlier one.
-        first = window_end(min(s.ts for s in pending), size) if pending else None
-        if first is not None and (self.timer.value() is None or first < self.timer.value()):
-            self.timer.update(first)
+        if pending:
+            first, current = window_end(min(s.ts for s in pending), size), self.timer.value()
+            if current is None or first < current:
+                self.timer.update(first)
         key = ctx.get_current_key()
         for end in {window_end(s.ts, size) for s in pending}:
             # Idempotent per (key, time) in Flink, but each call is a message to the JVM: once
