@@ -179,6 +179,13 @@ LATENCY_SETTINGS: dict[str, str] = {
     "python.fn-execution.bundle.time": "10",
     "execution.buffer-timeout.interval": "10 ms",
 }
+# PyFlink caches keyed state per (state, key) in the Python worker, Flink's default 1,000
+# entries. On a key change it caches every state the function declared for the old key: the
+# trainer declares 12, so the default holds about 83 models, and a worker with more reads
+# each state again from the JVM, one blocking round trip per read (bench/ingest.py,
+# --models 1000). The entries hold what the states hold; the largest, a model's pending
+# samples, is bounded by its window.
+STATE_SETTINGS: dict[str, str] = {"python.state.cache-size": "16384"}
 # Tansu holds every fetch for fetch.max.wait.ms even when records arrive (measured on the local stack): Kafka's
 # 500 ms default put ~120 ms on each read of a version. Apache Kafka answers as soon as
 # records arrive, so there the shorter wait only makes idle fetches more frequent.
@@ -187,7 +194,7 @@ CONSUMER_PROPERTIES: dict[str, str] = {"fetch.max.wait.ms": "20"}
 
 def environment(job: JobConfig, settings: dict[str, str] | None = None) -> StreamExecutionEnvironment:
     """Exactly-once checkpoints (the cluster's interval, else 10 s), retained on cancellation,
-    watermarks every 50 ms, LATENCY_SETTINGS, then `settings` (a job's own) over them, then
+    watermarks every 50 ms, LATENCY_SETTINGS and STATE_SETTINGS, then `settings` (a job's own) over them, then
     --bundle-time-ms."""
     conf = Configuration()
     if job.embedded_rest_port:
@@ -203,7 +210,7 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
     conf.set_string("pipeline.auto-watermark-interval", "50 ms")
     conf.set_string("execution.checkpointing.num-retained", "3")
     bundle = {"python.fn-execution.bundle.time": str(job.bundle_time_ms)} if job.bundle_time_ms else {}
-    for key, value in {**LATENCY_SETTINGS, **(settings or {}), **bundle}.items():
+    for key, value in {**LATENCY_SETTINGS, **STATE_SETTINGS, **(settings or {}), **bundle}.items():
         conf.set_string(key, value)
     env = StreamExecutionEnvironment.get_execution_environment(conf)
     if job.checkpoint_on_version:
