@@ -104,7 +104,7 @@ class FinetuneFunction(KeyedProcessFunction):
     # pending      list[Pending], samples waiting for their window to close
     # timer        end of the next window to close, or None
     # idle         processing time the model's windows close if no sample comes, or None
-    # last_seen    processing time the model's last sample arrived
+    # last_seen    processing time the model's last sample arrived (up to LAST_SEEN_WRITE_MS old)
     # grace        processing time the unknown-model grace ends, or None
     # adapter      LoraTrainer state dict
     # seq          versions emitted so far
