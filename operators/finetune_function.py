@@ -260,13 +260,13 @@ class FinetuneFunction(KeyedProcessFunction):
             self.last_seen.update(now)  # for a restore, whose own opened_at mostly counts anyway
             self.last_seen_saved[key] = now
         if cfg is None:
-            if not self.armed_here.holds(self.grace, "grace", ctx.get_current_key()):
+            if not self.armed_here.holds(self.grace, "grace", key):
                 # Wall-clock grace: a config sent moments after the first samples always wins,
                 # even when a backlog moves event time far ahead within those moments.
                 deadline = now + self.settings.unknown_model_grace_ms
                 self.grace.update(deadline)
                 ctx.timer_service().register_processing_time_timer(deadline)
-                self.armed_here.add("grace", ctx.get_current_key())
+                self.armed_here.add("grace", key)
             return
         # Only the watermark closes this sample's window (on_timer): how the partitions of
         # the input interleave never changes which samples a window holds.
@@ -342,7 +342,7 @@ class FinetuneFunction(KeyedProcessFunction):
             if self.window_timers_here.get(key) != end:
                 ctx.timer_service().register_event_time_timer(end)
                 self.window_timers_here[key] = end
-        if pending and not self.armed_here.holds(self.idle, "idle", ctx.get_current_key()):
+        if pending and not self.armed_here.holds(self.idle, "idle", key):
             self._arm_idle_timer(ctx, ctx.timer_service().current_processing_time(), spec)
 
     def _arm_idle_timer(self, ctx, since: int, spec: FinetuneSpec) -> None:
