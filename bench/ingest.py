@@ -262,7 +262,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
     ratios = {arm: round(a["records_per_s"] / sql, 4) for arm, a in arms.items() if arm != "sql"}
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.machine()})",
               "records": records, "models": models, "minutes": minutes, "bad_records": len(bad_ts),
-              "parallelism": 1, "arms": arms, "ratio_over_sql": ratios}
+              "parallelism": 1, "arms": arms, "ratio_over_sql": ratios, "goal_ratio": GOAL_RATIO}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ningest at parallelism 1, {models} models, records/s while windows close "
