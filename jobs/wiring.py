@@ -23,6 +23,7 @@ import dataclasses
 import os
 import secrets
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -85,11 +86,13 @@ class JobConfig:
                   if f.name not in ("job_name", "unknown_model_grace_ms") and hasattr(args, f.name)}
         values["unknown_model_grace_ms"] = int(args.unknown_model_grace_seconds * 1000)
         values["register"] = not args.no_register
-        if values.get("checkpoint_on_version", cls.checkpoint_on_version) and embedded():
+        if embedded():
             # No cluster to submit to: this process starts a mini-cluster, whose REST API the
-            # trainer must reach. Flink would pick a random port; pick it here to know it.
+            # trainer must reach (--checkpoint-on-version) and the user may open. Flink would
+            # pick a random port; pick it here to know it.
             values["embedded_rest_port"] = free_port()
-            values["jobmanager_url"] = f"http://127.0.0.1:{values['embedded_rest_port']}"
+            if values.get("checkpoint_on_version", cls.checkpoint_on_version):
+                values["jobmanager_url"] = f"http://127.0.0.1:{values['embedded_rest_port']}"
         return cls(job_name=job_name, **{**values, **overrides})
 
     def trainer_settings(self) -> TrainerSettings:
@@ -192,6 +195,10 @@ STATE_SETTINGS: dict[str, str] = {"python.state.cache-size": "16384"}
 CONSUMER_PROPERTIES: dict[str, str] = {"fetch.max.wait.ms": "20"}
 
 
+# Printed by a job run with `python -m` (its own mini-cluster), before the URL of its REST API and web UI.
+MINI_CLUSTER_LINE = "Flink web UI and REST API of this job's mini-cluster: "
+
+
 def environment(job: JobConfig, settings: dict[str, str] | None = None) -> StreamExecutionEnvironment:
     """Exactly-once checkpoints (the cluster's interval, else 10 s), retained on cancellation,
     watermarks every 50 ms, LATENCY_SETTINGS and STATE_SETTINGS, then `settings` (a job's own) over them, then
@@ -201,6 +208,7 @@ def environment(job: JobConfig, settings: dict[str, str] | None = None) -> Strea
         conf.set_string("rest.bind-port", str(job.embedded_rest_port))
         conf.set_string("rest.address", "127.0.0.1")
         conf.set_string("rest.bind-address", "127.0.0.1")
+        print(f"{MINI_CLUSTER_LINE}http://127.0.0.1:{job.embedded_rest_port}", file=sys.stderr, flush=True)
     if job.checkpoint_dir:
         conf.set_string("execution.checkpointing.dir", job.checkpoint_dir)
     if job.restore_from:

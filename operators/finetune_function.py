@@ -149,7 +149,7 @@ class FinetuneFunction(KeyedProcessFunction):
         metrics = runtime_context.get_metrics_group()
         self.counters = FunctionCounters(metrics, (
             "windows_fired", "samples_trained", "unknown_model_dead_lettered", "triggers_ignored",
-            "samples_superseded", "samples_retracted", "windows_closed_idle", "samples_held_out",
+            "samples_superseded", "samples_retracted", "samples_late", "windows_closed_idle", "samples_held_out",
             "kept_samples_dropped", "versions_promoted", "versions_refused", "checkpoint_requests",
             "checkpoint_request_failures"), histograms=("step_ms", "freshness_ms"))
         metrics.gauge("live_adapters", lambda: LoraTrainer.live_totals()["adapters"])
@@ -255,6 +255,11 @@ class FinetuneFunction(KeyedProcessFunction):
         self.pending.update(pending)
         now = ctx.timer_service().current_processing_time()
         key = ctx.get_current_key()
+        if cfg is not None and window_end(ts, spec_of(cfg["spec"]).trigger_policy.window_seconds) <= \
+                ctx.timer_service().current_watermark():
+            # Its window has closed: it trains with the next one. A delay upstream longer than
+            # the sources' idle timeout causes this (docs/concepts/guarantees.md, "Known limits").
+            self.counters.inc("samples_late")
         self.last_seen_here[key] = now
         if now - self.last_seen_saved.get(key, now - LAST_SEEN_WRITE_MS) >= LAST_SEEN_WRITE_MS:
             self.last_seen.update(now)  # for a restore, whose own opened_at mostly counts anyway

@@ -56,6 +56,28 @@ class LocalJob:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def flink_rest_url(self) -> str | None:
+        """The REST API of the job's mini-cluster, from the line the job prints (the latest
+        start's), or None before it did."""
+        from jobs.wiring import MINI_CLUSTER_LINE
+
+        text = self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+        urls = [line.split(MINI_CLUSTER_LINE, 1)[1].strip() for line in text.splitlines() if MINI_CLUSTER_LINE in line]
+        return urls[-1] if urls else None
+
+    def job_id(self) -> str | None:
+        """The id of the job running on the mini-cluster, or None before it runs."""
+        import requests
+
+        if not (rest := self.flink_rest_url):
+            return None
+        try:
+            jobs = requests.get(f"{rest}/jobs", timeout=5).json().get("jobs", [])
+        except requests.RequestException:
+            return None  # the mini-cluster is starting
+        return next((j["id"] for j in jobs if j["status"] == "RUNNING"), None)
+
     def freeze(self) -> None:
         """SIGSTOP the whole mini-cluster: nothing it does (a checkpoint, a transaction's commit)
         can happen until `thaw` or `kill`; a test freezes first to check where a kill will land."""

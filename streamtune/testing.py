@@ -237,6 +237,7 @@ class KeyedTimers:
         self.event_timers: set[int] = set()
         self.processing_timers: set[int] = set()
         self.event_registrations: list[int] = []  # every call, repeats included (each is a message to the JVM)
+        self.watermark = -2**63  # Flink's before the first one
         self.domain = None
 
     def get_current_key(self) -> str:
@@ -247,6 +248,9 @@ class KeyedTimers:
 
     def current_processing_time(self) -> int:
         return self.now_ms
+
+    def current_watermark(self) -> int:
+        return self.watermark
 
     def register_event_time_timer(self, ts: int) -> None:
         self.event_timers.add(ts)
@@ -260,6 +264,7 @@ class KeyedTimers:
 
     def due_event_timers(self, watermark: int) -> list[int]:
         """The event-time timers a watermark fires, in order (and forgets them)."""
+        self.watermark = max(self.watermark, watermark)
         due = sorted(t for t in self.event_timers if t <= watermark)
         self.event_timers -= set(due)
         return due

@@ -21,8 +21,8 @@ from kafka import KafkaProducer
 
 from core.messages import AdapterVersionBroadcast, ChangeEnvelope, ChangeOrigin, DeadLetter, VersionRecord
 from streamtune.stack.postgres import Postgres
-from streamtune.testing import (CaptureProcess, cdc_spec, password_to_env, psql, wait_for, wait_for_records,
-                                wait_past_window)
+from streamtune.testing import (CaptureProcess, cdc_spec, password_to_env, psql, records_read, wait_for,
+                                wait_for_records, wait_past_window)
 from connectors.kafka import create_topic, read_topic
 from streamtune.feedback import send_config
 from streamtune.local_job import LocalJob
@@ -141,6 +141,13 @@ def test_changes_become_versions(stack_config, base_model, mongo, tmp_path, para
         # and the bad record, 4 documents.
         wait_past_window(boot, topics["pg"], 2000, lambda records: len(records) >= 11)
         wait_past_window(boot, topics["mongo"], 2000, lambda records: len(records) >= 4)
+        # Only once the trainer has them all: a change held up in a Python step longer than the
+        # sources' idle timeout would arrive after the next window's changes moved the watermark
+        # past its window, and train with the next one (counted as samples_late). Inputs: 2
+        # configs, 6 inserted rows, an update and a delete, 4 documents.
+        job_id = wait_for(job.job_id, 60, "the job to run")
+        wait_for(lambda: records_read(job, job_id, "lora-trainer") >= 14, 60,
+                 "the trainer to read the first windows' changes", interval=0.2)
         psql(dsn, f"INSERT INTO {answers} VALUES (9, '{pg_model}', 'x=9;y=', '10', 'approved')")
         mongo[db].reviews.insert_one({"_id": 9, "text": "review 9", "reply": {"body": "thanks 9"}})
 

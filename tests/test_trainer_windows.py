@@ -212,7 +212,8 @@ def test_adapters_evicted_from_a_bounded_worker_train_on_to_the_same_bytes(base)
 def test_a_windows_timer_is_registered_once_and_again_when_a_late_sample_or_a_restore_needs_it(base, tmp_path):
     """Each timer registration is a message to the JVM, so a window's timer is registered by
     its first sample only; a sample of a window whose timer has fired, and the first sample a
-    restored worker sees, register it again (the timer may be gone)."""
+    restored worker sees, register it again (the timer may be gone). The late one is counted
+    (samples_late)."""
     spec = window_spec("once")  # windows of 1 s, at least 4 samples
     fn, ctx = trainer_function(base, tmp_path), KeyedTimers("once")
     out = list(fn.process_element(("config", "once", spec.to_json(), "configs", 0, 0, T0 - 1), ctx))
@@ -230,8 +231,10 @@ def test_a_windows_timer_is_registered_once_and_again_when_a_late_sample_or_a_re
     for t in ctx.due_event_timers(T0 + 1000):
         out += fn.on_timer(t, ctx)
     assert [sorted(v.lineage.sample_ids) for v in map(VersionRecord.from_json, out)] == [["s0", "s1", "s2", "s3"]]
+    assert fn.counters.counts["samples_late"] == 0
     out += fn.process_element(record(4, T0 + 500), ctx)  # late: its window's timer has fired
     assert ctx.event_registrations == [T0 + 1000, T0 + 1000]
+    assert fn.counters.counts["samples_late"] == 1  # counted: it trains with a later window
 
     restored = trainer_function(base, tmp_path)
     for attribute in restored.KEYED_STATE:
