@@ -23,7 +23,7 @@ them (jobs/wiring.py `register`); --no-register leaves that to `streamtune regis
 
 Other options: --base-model (default HF directory when a spec names none), --artifact-store,
 --unknown-model-grace-seconds (30, wall clock), --max-record-bytes (65536), --lateness-ms (0),
---idle-timeout-ms (2000), --checkpoint-interval-ms (the cluster's, else 10000),
+--idle-timeout-ms (5000), --checkpoint-interval-ms (the cluster's, else 10000),
 --checkpoint-dir and --restore-from (mini-cluster runs), --parallelism, --bundle-time-ms (10:
 freshness; 1000 for throughput).
 """

@@ -43,6 +43,14 @@ from operators.registration import VERSION_TYPE, RegistrationFunction, VersionRe
 from operators.validate import DLQ_TAG
 
 
+# A partition without records this long stops holding the watermark back. Longer than the
+# start of the Python workers: a source that falls idle before validate's first bundle ends
+# loses the watermark of its backlog (input_rows), and the first window then waits for the
+# trainer's idle timer. With 2 s and two busy processes beside the stack, 4 of 5 runs of
+# bench/submit.py waited for it (first version 26.1 s p50); with 5 s none did (20.9 s).
+IDLE_TIMEOUT_MS = 5000
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """Settings of one training job, fixed at submission."""
@@ -65,7 +73,7 @@ class JobConfig:
     unknown_model_grace_ms: int = 30_000
     max_record_bytes: int = 65536
     lateness_ms: int = 0
-    idle_timeout_ms: int = 2000
+    idle_timeout_ms: int = IDLE_TIMEOUT_MS
     idle_close_ms: int = 5000
     max_live_adapters: int = 64
     checkpoint_interval_ms: Optional[int] = None
@@ -140,7 +148,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unknown-model-grace-seconds", type=float, default=30.0)
     p.add_argument("--max-record-bytes", type=int, default=65536)
     p.add_argument("--lateness-ms", type=int, default=0)
-    p.add_argument("--idle-timeout-ms", type=int, default=int(os.environ.get("STREAMTUNE_IDLE_TIMEOUT_MS", 2000)),
+    p.add_argument("--idle-timeout-ms", type=int,
+                   default=int(os.environ.get("STREAMTUNE_IDLE_TIMEOUT_MS", IDLE_TIMEOUT_MS)),
                    help="a partition without records this long stops holding the watermark")
     p.add_argument("--idle-close-ms", type=int, default=5000,
                    help="a model with no sample for its window_seconds plus this long closes its open windows "
@@ -283,10 +292,11 @@ def input_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics
     Why two sources: one source combines its splits' watermarks, and when every split goes
     idle in the same check (a backlog read at start-up, then nothing) it marks itself idle
     without passing on the highest one. The task after two sources does pass on the highest
-    watermark once both are idle. One stall remains, which only the trainer's idle timer ends:
-    a Python operator (validate) holds a watermark until its bundle ends but passes "idle" on
-    at once, and Flink drops a watermark sent after "idle"; at start-up the first bundle waits
-    for the Python worker, longer than the sources take to fall idle after a backlog.
+    watermark once both are idle. A Python operator (validate) holds a watermark until its
+    bundle ends but passes "idle" on at once, and Flink drops a watermark sent after "idle":
+    at start-up the first bundle waits for the Python worker, so the sources' idle timeout
+    (IDLE_TIMEOUT_MS) must outlast that start, or only the trainer's idle timer closes the
+    first window.
     """
     data = kafka_rows(t_env, job, table, topics, consumer_properties)
     configs = kafka_rows(t_env, job, f"{table}_configs", [job.config_topic], consumer_properties, reader="configs")
