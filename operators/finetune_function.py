@@ -255,11 +255,6 @@ class FinetuneFunction(KeyedProcessFunction):
         self.pending.update(pending)
         now = ctx.timer_service().current_processing_time()
         key = ctx.get_current_key()
-        if cfg is not None and window_end(ts, spec_of(cfg["spec"]).trigger_policy.window_seconds) <= \
-                ctx.timer_service().current_watermark():
-            # Its window has closed: it trains with the next one. A delay upstream longer than
-            # the sources' idle timeout causes this (docs/concepts/guarantees.md, "Known limits").
-            self.counters.inc("samples_late")
         self.last_seen_here[key] = now
         if now - self.last_seen_saved.get(key, now - LAST_SEEN_WRITE_MS) >= LAST_SEEN_WRITE_MS:
             self.last_seen.update(now)  # for a restore, whose own opened_at mostly counts anyway
@@ -273,9 +268,14 @@ class FinetuneFunction(KeyedProcessFunction):
                 ctx.timer_service().register_processing_time_timer(deadline)
                 self.armed_here.add("grace", key)
             return
+        spec = spec_of(cfg["spec"])
+        if window_end(ts, spec.trigger_policy.window_seconds) <= ctx.timer_service().current_watermark():
+            # Its window has closed: it trains with the next one. A delay upstream longer than
+            # the sources' idle timeout causes this (docs/concepts/guarantees.md, "Known limits").
+            self.counters.inc("samples_late")
         # Only the watermark closes this sample's window (on_timer): how the partitions of
         # the input interleave never changes which samples a window holds.
-        self._ensure_window_timer(ctx, spec_of(cfg["spec"]), pending[-1:])
+        self._ensure_window_timer(ctx, spec, pending[-1:])
 
     def _on_config(self, body: str, ctx):
         spec = FinetuneSpec.from_json(body)
