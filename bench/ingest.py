@@ -10,13 +10,18 @@ one-minute windows, one record in --bad-every not JSON) goes to each arm's own t
                       with the job's 10 ms Python bundles (jobs/wiring.py LATENCY_SETTINGS)
     job, 1 s bundles  the same with --bundle-time-ms 1000 (Flink's default): throughput bought
                       with freshness
+    job, micro-batches[, 1 s bundles]
+                      the same with --micro-batch-ms 1000: the samples the JVM proves valid
+                      cross into Python once per model and second of event time
+                      (operators/micro_batches.py)
     sql               sql/ddl.sql's `feedback` table and sql/samples_per_model.sql (TUMBLE 1
                       minute, samples per model), as `streamtune sql` submits it to the
                       cluster, into a Kafka table with the time each row was emitted
 
-A job arm starts on an empty feedback topic and gets the backlog once its trainer has read
-the configs (a backlog already there can be read before them, and the 30 s unknown-model
-grace then sends its samples to the DLQ); SQL needs no config and gets the backlog first.
+Every arm gets the whole backlog before it starts: a job fed while it runs would measure the
+producer (kafka-python, about 25,000 records/s here), not the job. A job arm reads the
+backlog with a long unknown-model grace: the local broker can serve the config topic after
+much of the backlog, and the samples wait for their config instead of going to the DLQ.
 A last sample per model, two windows on, moves the watermark past the last window. Every
 window an arm closed must hold exactly the samples this script sent to it, per model; the
 dead letters a job commits within 60 s are counted against the records it read that are not
@@ -27,7 +32,10 @@ start-up (class loading, Python workers, the first bundle) is out of every figur
 stops after --job-seconds of output; SQL reads the whole backlog (it needs it: at ~10^5
 records/s the backlog lasts seconds).
 
-    .venv/bin/python bench/ingest.py [--records 300000] [--models 10] [--minutes 180]
+    .venv/bin/python bench/ingest.py [--records 300000] [--models 10] [--minutes 180] [--arm ARM ...]
+
+--minutes sets how dense the backlog is: 180 (the default) is 28 records a second of event
+time, a quiet stream's replay; 5 is 1,000 a second, a busy stream's.
 """
 
 from __future__ import annotations
@@ -54,9 +62,11 @@ from jobs.wiring import LATENCY_SETTINGS  # noqa: E402
 from streamtune.feedback import send_config  # noqa: E402
 from streamtune.stack import StackConfig  # noqa: E402
 from streamtune.stack.flink import cancel_job, submit_detached  # noqa: E402
-from streamtune.testing import job_args, job_topics, scrape_prometheus, spec, wait_for, wait_for_records  # noqa: E402
+from streamtune.testing import job_args, job_topics, spec, wait_for_records  # noqa: E402
 
 GOAL_RATIO = 0.5  # the project's goal: the job ingests at least half as fast as Flink SQL
+MICRO_BATCH_MS = 1000  # the micro-batch arms' --micro-batch-ms
+UNKNOWN_MODEL_GRACE_S = 900  # longer than any arm: a sample never waits that long for its config
 WINDOW_MS = 60_000  # sql/samples_per_model.sql's TUMBLE; the job's spec gets the same
 T0 = 1_770_000_000_000 // WINDOW_MS * WINDOW_MS
 BAD_RECORD = "{not json"
@@ -151,25 +161,24 @@ def per_window(rows: list[dict]) -> Counter:
 
 def run_job(config: StackConfig, topics: dict, counts_topic: str, rows: list, total: int, models: int,
             timeout: float, bundle_ms: int | None, budget: float,
-            bad_ts: list[int]) -> tuple[list, str, Counter, int]:
-    """Start the job on its (empty) feedback topic, wait until its trainer has every config,
-    send the backlog, read its counts for `budget` seconds of output (or the whole backlog);
-    then (up to 60 s) its committed dead letters, by reason, and how many it owes: the records
-    not JSON (stamped `bad_ts`) before the last closed window."""
+            bad_ts: list[int], micro_batch_ms: int = 0) -> tuple[list, str, Counter, int]:
+    """Send the backlog, start the job on it, read its counts for `budget` seconds of output (or
+    the whole backlog); then (up to 60 s) its committed dead letters, by reason, and how many it
+    owes: the records not JSON (stamped `bad_ts`) before the last closed window."""
     job_name = f"streamtune-bench-{topics['feedback'].split('.')[1]}"  # unique: its metrics are looked up by name
     args = job_args(topics, "/no-base-model", tempfile.mkdtemp(prefix="streamtune-ingest-"), "--parallelism", "1",
                     "--no-register", "--counts-topic", counts_topic, "--checkpoint-interval-ms", "2000",
-                    "--job-name", job_name, *(["--bundle-time-ms", str(bundle_ms)] if bundle_ms else []))
+                    # The local broker can serve the config topic after much of a backlog (below):
+                    # samples wait for their config rather than go to the DLQ as unknown_model.
+                    "--unknown-model-grace-seconds", str(UNKNOWN_MODEL_GRACE_S),
+                    "--job-name", job_name, *(["--bundle-time-ms", str(bundle_ms)] if bundle_ms else []),
+                    "--micro-batch-ms", str(micro_batch_ms))
+    send(config.kafka_bootstrap, topics["feedback"], rows)
     job_id = submit_detached(config, REPO / "bench" / "ingest_job.py", args)
-    print(f"job {job_id} (bench/ingest_job.py, bundles {bundle_ms or 'the job default'} ms) on the cluster",
+    print(f"job {job_id} (bench/ingest_job.py, bundles {bundle_ms or 'the job default'} ms, micro-batches "
+          f"{micro_batch_ms or 'off'}) on the cluster",
           flush=True)
     try:
-        # A backlog already there when the job starts may be read before the configs: seen
-        # at 300,000 records, where every sample went to the DLQ as unknown_model after the
-        # 30 s grace. The configs first, as a running job reads them.
-        wait_for(lambda: sum(scrape_prometheus(config.host, job_name).get(("windowing", "numRecordsIn"), [])) >= models,
-                 300, "the trainer to read the configs")
-        send(config.kafka_bootstrap, topics["feedback"], rows)
         rows_out = collect(config.kafka_bootstrap, counts_topic, json.loads, total, timeout, "job", budget)
         owed = sum(ts < max(r["window_end"] for r in rows_out) for ts in bad_ts)
         reasons = Counter(d.reason for d in wait_for_records(config.kafka_bootstrap, topics["dlq"], DeadLetter,
@@ -217,11 +226,13 @@ def check_counts(arm: str, rows: list[dict], expected: Counter) -> None:
         raise SystemExit(f"{arm}: counts differ from what was sent, e.g. {[(k, got[k], wanted[k]) for k in wrong]}")
 
 
-ARMS = (("job", 0), ("job, 1 s bundles", 1000), ("sql", None))
+# (arm, Python bundle ms: 0 the job's default, None SQL, micro-batch ms: 0 off)
+ARMS = (("job", 0, 0), ("job, 1 s bundles", 1000, 0), ("job, micro-batches", 0, MICRO_BATCH_MS),
+        ("job, micro-batches, 1 s bundles", 1000, MICRO_BATCH_MS), ("sql", None, 0))
 
 
 def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: float, timeout: float,
-         out: Path) -> dict:
+         out: Path, only: list[str] | None = None) -> dict:
     config = StackConfig.from_env()
     u = f"{time.time_ns() % 10**9:x}"
     rows, expected = backlog(models, records, minutes, bad_every)
@@ -231,7 +242,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
           "JSON), sent to each arm's own feedback topic", flush=True)
 
     arms = {}
-    for n, (arm, bundle_ms) in enumerate(ARMS):
+    for n, (arm, bundle_ms, micro_batch_ms) in enumerate(a for a in ARMS if not only or a[0] in only):
         topics = job_topics(config.kafka_bootstrap, f"bench.ingest-{u}-{n}")
         counts_topic = f"bench.ingest-{u}-{n}.counts"
         create_topic(config.kafka_bootstrap, counts_topic)
@@ -243,7 +254,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
                 send_config(config.kafka_bootstrap, topics["configs"],
                             spec(f"m{m}", topics, min_samples=1, window_seconds=WINDOW_MS // 1000), T0 - 1)
             out_rows, job_id, reasons, owed = run_job(config, topics, counts_topic, rows, total, models, timeout,
-                                                      bundle_ms or None, job_seconds, bad_ts)
+                                                      bundle_ms or None, job_seconds, bad_ts, micro_batch_ms)
             if set(reasons) - {"bad_json"}:
                 raise SystemExit(f"{arm}: dead letters {dict(reasons)}; only bad_json expected")
             if sum(reasons.values()) < owed:
@@ -251,6 +262,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
                 print(f"  WARNING {arm}: {sum(reasons.values())} dead letters visible (read_committed) within "
                       f"60 s; {owed} records before the last closed window were not JSON", flush=True)
             extra = {"bundle_ms": bundle_ms or int(LATENCY_SETTINGS["python.fn-execution.bundle.time"]),
+                     "micro_batch_ms": micro_batch_ms,
                      "dead_lettered": sum(reasons.values()), "bad_read": owed}
         check_counts(arm, out_rows, expected)
         arms[arm] = {"job_id": job_id, **steady_rate(out_rows), **extra}
@@ -258,8 +270,8 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
               f"{arms[arm]['windows'] - 1} windows in {arms[arm]['seconds']} s); counts match what was sent",
               flush=True)
 
-    sql = arms["sql"]["records_per_s"]
-    ratios = {arm: round(a["records_per_s"] / sql, 4) for arm, a in arms.items() if arm != "sql"}
+    sql = arms["sql"]["records_per_s"] if "sql" in arms else None
+    ratios = {arm: round(a["records_per_s"] / sql, 4) for arm, a in arms.items() if arm != "sql" and sql}
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({platform.machine()})",
               "records": records, "models": models, "minutes": minutes, "bad_records": len(bad_ts),
               "parallelism": 1, "arms": arms, "ratio_over_sql": ratios, "goal_ratio": GOAL_RATIO}
@@ -270,7 +282,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
     for arm, a in arms.items():
         ratio = (f"{ratios[arm]:.4f} of SQL: goal >= {GOAL_RATIO} "
                  f"{'met' if ratios[arm] >= GOAL_RATIO else 'NOT met'}") if arm in ratios else ""
-        print(f"  {arm:<18} {a['records_per_s']:>10.0f}   {ratio}")
+        print(f"  {arm:<32} {a['records_per_s']:>10.0f}   {ratio}")
     print("  every window's count matches what was sent; dead letters: "
           + ", ".join(f"{arm} {a['dead_lettered']} of {a['bad_read']}" for arm, a in arms.items() if "bad_read" in a)
           + "\n"
@@ -287,6 +299,8 @@ if __name__ == "__main__":
     p.add_argument("--job-seconds", type=float, default=60,
                    help="a job arm stops after this long of output (SQL reads the whole backlog)")
     p.add_argument("--timeout", type=float, default=600, help="seconds each arm may take")
+    p.add_argument("--arm", action="append", choices=[arm for arm, _, _ in ARMS],
+                   help="run only this arm (repeatable; sql is needed for the ratios)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ingest.json")
     a = p.parse_args()
-    main(a.records, a.models, a.minutes, a.bad_every, a.job_seconds, a.timeout, a.out)
+    main(a.records, a.models, a.minutes, a.bad_every, a.job_seconds, a.timeout, a.out, a.arm)

@@ -39,7 +39,7 @@ class WindowCounts(FinetuneFunction):
 
 def build(env, job: JobConfig, feedback_topic: str, counts_topic: str) -> None:
     t_env = table_environment(env)
-    rows = input_rows(t_env, job, "ingest_input", [feedback_topic])
+    rows = input_rows(t_env, job, "ingest_input", [feedback_topic], micro_batch_topics=[feedback_topic])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes),
                              output_type=VALID_TYPE).name("validate").uid("validate")

@@ -49,7 +49,7 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str,
     (operators/pseudo_labels.py) before the trainer; without it the graph is as it was."""
     t_env = table_environment(env)
     inference = [inference_log_topic] if inference_log_topic else []
-    rows = input_rows(t_env, job, "streamtune_input", [feedback_topic, *inference])
+    rows = input_rows(t_env, job, "streamtune_input", [feedback_topic, *inference], micro_batch_topics=[feedback_topic])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes, inference_topics=frozenset(inference),
                                               max_event_skew_ms=job.max_event_skew_ms,

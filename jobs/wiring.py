@@ -36,9 +36,12 @@ from connectors.flink_kafka import at_least_once_sink, exactly_once_sink, input_
 from connectors.artifact_store import store_uri
 from connectors.kafka import create_topic
 from core import defaults
+from core.errors import ConfigError
 from core.options import add_bootstrap_option
+from core.redaction import redaction_mode
 from operators.arbiter import ArbiterSettings
 from operators.finetune_function import JOB_ID_PARAMETER, FinetuneFunction, TrainerSettings
+from operators.micro_batches import fast_condition, split_input_sql
 from operators.registration import VERSION_TYPE, RegistrationFunction, VersionReader
 from operators.validate import DLQ_TAG
 
@@ -83,6 +86,7 @@ class JobConfig:
     bundle_time_ms: Optional[int] = None      # Python bundles; None: the job's latency setting
     max_event_skew_ms: int = 300_000          # records stamped further ahead: DLQ `timestamp`, no watermark move
     max_event_age_ms: int = 0                 # samples older: DLQ `timestamp`; 0 = off (replays stay possible)
+    micro_batch_ms: int = 0                   # samples the JVM proves valid reach Python in micro-batches; 0 = off
     slo_headroom_url: Optional[str] = None    # a co-located `streamtune serve`'s GET /headroom: yield to its SLO
     min_training_share: float = 0.25          # of a step's wall time, however little headroom is left
     training_cpu_priority: str = "idle"       # with slo_headroom_url, on a CPU: the training thread's priority
@@ -177,6 +181,10 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-event-age-ms", type=int, default=0,
                    help="a sample whose Kafka timestamp is older is dead-lettered (reason timestamp); "
                         "0 = off, the default: replaying or backfilling old data must stay possible")
+    p.add_argument("--micro-batch-ms", type=int, default=0,
+                   help="feedback samples the JVM can prove valid (operators/micro_batches.py) cross into "
+                        "Python once per model and micro-batch of this much event time (dividing 1000), "
+                        "not one by one; the rest takes the Python validation as before. 0 = off")
     p.add_argument("--bundle-time-ms", type=int, default=None,
                    help="how long a Python operator holds records before passing them on (default: the "
                         "job's latency setting, 5-10 ms; Flink's 1000 trades freshness for throughput, "
@@ -275,19 +283,32 @@ def table_environment(env: StreamExecutionEnvironment) -> StreamTableEnvironment
 
 
 def kafka_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics: list[str],
-               consumer_properties: dict[str, str] | None = None, reader: str = "input"):
+               consumer_properties: dict[str, str] | None = None, reader: str = "input",
+               micro_batch_topics: list[str] | None = None):
     """Kafka records as rows (key, payload, topic, partition, offset) with event time, read_committed;
-    records stamped beyond --max-event-skew-ms do not move the watermark (validate dead-letters them)."""
+    records stamped beyond --max-event-skew-ms do not move the watermark (validate dead-letters them).
+    With --micro-batch-ms, the samples of `micro_batch_topics` the JVM proves valid come as one
+    row per model and micro-batch (operators/micro_batches.py)."""
     t_env.execute_sql(input_table_ddl(table, topics, job.bootstrap, f"{job.job_name}-{reader}", job.lateness_ms,
                                       job.idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
                                       job.max_event_skew_ms))
-    return t_env.to_data_stream(t_env.from_path(table))
+    if not (job.micro_batch_ms and micro_batch_topics):
+        return t_env.to_data_stream(t_env.from_path(table))
+    mode = redaction_mode(os.environ)
+    if mode not in ("pii", "off"):
+        raise ConfigError(f"--micro-batch-ms proves samples free of personal data by core/redaction.py's rules; "
+                          f"STREAMTUNE_REDACT={mode} needs every sample in Python: leave --micro-batch-ms at 0")
+    view, query = split_input_sql(table, fast_condition(micro_batch_topics, job.max_record_bytes,
+                                                        job.max_event_skew_ms, job.max_event_age_ms),
+                                  job.micro_batch_ms)
+    t_env.execute_sql(view)
+    return t_env.to_data_stream(t_env.sql_query(query))
 
 
 def input_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics: list[str],
-               consumer_properties: dict[str, str] | None = None):
+               consumer_properties: dict[str, str] | None = None, micro_batch_topics: list[str] | None = None):
     """`topics` and the job's config topic as rows (kafka_rows), the config topic through a
-    Kafka source of its own.
+    Kafka source of its own; `micro_batch_topics` (feedback) as kafka_rows says.
 
     Why two sources: one source combines its splits' watermarks, and when every split goes
     idle in the same check (a backlog read at start-up, then nothing) it marks itself idle
@@ -298,7 +319,7 @@ def input_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics
     (IDLE_TIMEOUT_MS) must outlast that start, or only the trainer's idle timer closes the
     first window.
     """
-    data = kafka_rows(t_env, job, table, topics, consumer_properties)
+    data = kafka_rows(t_env, job, table, topics, consumer_properties, micro_batch_topics=micro_batch_topics)
     configs = kafka_rows(t_env, job, f"{table}_configs", [job.config_topic], consumer_properties, reader="configs")
     return data.union(configs)
 

@@ -23,13 +23,14 @@ from pathlib import Path
 
 from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction, TimeDomain
-from pyflink.datastream.state import ValueStateDescriptor
+from pyflink.datastream.state import ListStateDescriptor, ValueStateDescriptor
 
 from core.messages import (AdapterConfig, ChangeOrigin, EvalScore, FeedbackSample, FinetuneSpec, Lineage,
                            RetrainTrigger, Retraction, VersionMetrics, VersionRecord)
 from operators.arbiter import Arbiter, ArbiterSettings, lower_cpu_priority
 from operators.counters import FunctionCounters
 from operators.granularity import GranularityState, next_state
+from operators.micro_batches import PendingBatch, expand
 from operators.quality import (Kept, QualityState, SetScores, decide, draw_replay, eval_roots, is_held_out,
                                load_fixed)
 from operators.timers import ArmedHere
@@ -75,33 +76,59 @@ def _lineage_origin(p: Pending) -> ChangeOrigin:
     return FeedbackSample.from_json(p.payload).origin.model_copy(update={"sample_id": p.sample_id})
 
 
-class PendingSizes:
-    """The pending state, and in memory each model's pending count (gauge pending_samples:
-    this subtask's models; after a restore a model counts from its next record or timer).
-    `key` is the model whose record or timer is being processed."""
+class PendingSamples:
+    """A model's pending samples: a ListState a record's sample or a micro-batch is appended to
+    (one element, pickled once, one append when the bundle ends) instead of a list rewritten
+    whole at every bundle, which made a window's cost grow with the square of its size. A
+    window's close reads them all (`value`, micro-batches unpacked) and writes back what
+    carries over (`update`).
 
-    def __init__(self, state, sizes: dict):
-        self.state, self.sizes, self.key = state, sizes, None
+    Keeps in memory each model's pending count (gauge pending_samples: this subtask's models;
+    after a restore a model counts from its next record or timer). `key` is the model whose
+    record or timer is being processed. Checkpoints of earlier versions hold the samples in the
+    ValueState `pending` (`before`): a model's are moved over the first time this worker
+    touches it."""
 
-    def value(self):
-        return self.state.value()
+    def __init__(self, samples, before, sizes: dict):
+        self.samples, self.before, self.sizes, self.key = samples, before, sizes, None
+        self.moved: set = set()  # models whose `before` this worker has emptied
 
-    def update(self, pending) -> None:
-        self.state.update(pending)
-        if pending:
-            self.sizes[self.key] = len(pending)
-        else:
-            self.sizes.pop(self.key, None)
+    def _move_before(self) -> None:
+        if self.key in self.moved:
+            return
+        self.moved.add(self.key)
+        earlier = self.before.value()
+        if earlier:
+            self.samples.add_all(earlier)
+            self.before.clear()
+
+    def value(self) -> list[Pending]:
+        self._move_before()
+        return expand(self.samples.get() or [])
+
+    def add_all(self, arrived: list) -> None:
+        self._move_before()
+        self.samples.add_all(arrived)
+        self.sizes[self.key] = self.sizes.get(self.key, 0) + sum(a.count for a in arrived)
+
+    def update(self, pending: list[Pending]) -> None:
+        self._move_before()
+        if not pending:
+            self.clear()
+            return
+        self.samples.update(pending)
+        self.sizes[self.key] = len(pending)
 
     def clear(self) -> None:
-        self.state.clear()
+        self._move_before()
+        self.samples.clear()
         self.sizes.pop(self.key, None)
 
 
 class FinetuneFunction(KeyedProcessFunction):
     # Keyed state, attribute -> state name (the names are in checkpoints: keep them):
     # config       {"spec": json, "version": int, "hash": str}, the config in force
-    # pending      list[Pending], samples waiting for their window to close
+    # pending      list[Pending] of earlier versions, moved to the list state `pending_samples` (PendingSamples)
     # timer        end of the next window to close, or None
     # idle         processing time the model's windows close if no sample comes, or None
     # last_seen    processing time the model's last sample arrived (up to LAST_SEEN_WRITE_MS old)
@@ -145,6 +172,9 @@ class FinetuneFunction(KeyedProcessFunction):
 
         for attribute, name in self.KEYED_STATE.items():
             setattr(self, attribute, runtime_context.get_state(ValueStateDescriptor(name, Types.PICKLED_BYTE_ARRAY())))
+        # Samples (Pending) and micro-batches (PendingBatch) waiting for their window to close.
+        self.pending_samples = runtime_context.get_list_state(
+            ListStateDescriptor("pending_samples", Types.PICKLED_BYTE_ARRAY()))
         self.champion_files: dict[str, bytes] = {}  # sha256 -> adapter weights, read once from the store
         metrics = runtime_context.get_metrics_group()
         self.counters = FunctionCounters(metrics, (
@@ -225,7 +255,7 @@ class FinetuneFunction(KeyedProcessFunction):
 
     def watch_pending(self) -> None:
         """The gauges' in-memory side: pending counts per model, the last step's loss and state size."""
-        self.pending = PendingSizes(self.pending, {})
+        self.pending = PendingSamples(self.pending_samples, self.pending, {})
         self.last_step = {"loss_after": 0.0, "state_bytes": 0}
 
     # -- input --------------------------------------------------------------------------
@@ -243,16 +273,17 @@ class FinetuneFunction(KeyedProcessFunction):
             self._on_retract(Retraction.from_json(body))
             return
         cfg = self.config.value()
-        sample = FeedbackSample.from_json(body)
-        pending = self.pending.value() or []
-        row_key = sample.origin.row_key if sample.origin else ""
-        if row_key:  # a newer change of the same row supersedes its untrained sample and its kept copies
-            pending = self._without_row(pending, row_key, "samples_superseded")
-            self._forget_row(row_key)
-        pending = pending + [Pending(
-            sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic, partition, offset,
-            body, row_key)]
-        self.pending.update(pending)
+        if kind == "batch":  # samples the JVM proved valid (operators/micro_batches.py): never a CDC row
+            arrived = [PendingBatch(ts, partition, body)]
+        else:
+            sample = FeedbackSample.from_json(body)
+            row_key = sample.origin.row_key if sample.origin else ""
+            if row_key:  # a newer change of the same row supersedes its untrained sample and its kept copies
+                self.pending.update(self._without_row(self.pending.value(), row_key, "samples_superseded"))
+                self._forget_row(row_key)
+            arrived = [Pending(sample.sample_id, sample.prompt, sample.completion, sample.effective_weight, ts, topic,
+                               partition, offset, body, row_key)]
+        self.pending.add_all(arrived)
         now = ctx.timer_service().current_processing_time()
         key = ctx.get_current_key()
         self.last_seen_here[key] = now
@@ -269,13 +300,15 @@ class FinetuneFunction(KeyedProcessFunction):
                 self.armed_here.add("grace", key)
             return
         spec = spec_of(cfg["spec"])
-        if window_end(ts, spec.trigger_policy.window_seconds) <= ctx.timer_service().current_watermark():
+        watermark = ctx.timer_service().current_watermark()
+        late = sum(a.count for a in arrived if window_end(a.ts, spec.trigger_policy.window_seconds) <= watermark)
+        if late:
             # Its window has closed: it trains with the next one. A delay upstream longer than
             # the sources' idle timeout causes this (docs/concepts/guarantees.md, "Known limits").
-            self.counters.inc("samples_late")
+            self.counters.inc("samples_late", late)
         # Only the watermark closes this sample's window (on_timer): how the partitions of
         # the input interleave never changes which samples a window holds.
-        self._ensure_window_timer(ctx, spec, pending[-1:])
+        self._ensure_window_timer(ctx, spec, arrived)
 
     def _on_config(self, body: str, ctx):
         spec = FinetuneSpec.from_json(body)

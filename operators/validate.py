@@ -6,7 +6,9 @@ against InferenceRecord; CDC change events (jobs/cdc_retrain.py) against the cha
 envelope, and leave on CHANGE_TAG keyed by the changed row.
 
 Counters `records_in`, `valid` and `dead_lettered` (Flink metrics of this operator)
-satisfy records_in == valid + dead_lettered at every checkpoint.
+satisfy records_in == valid + dead_lettered at every checkpoint. With --micro-batch-ms the
+samples the JVM proved valid arrive here as one row per model and micro-batch
+(operators/micro_batches.py): each counts its samples as records in and valid, and passes on.
 
 Personal data (core/redaction.py, STREAMTUNE_REDACT: `pii` by default, `off`): the prompt and
 completion of every valid sample and inference record, and the payload and detail of every
@@ -41,6 +43,7 @@ from core.errors import InvalidMessage
 from core.redaction import BUILTIN_RULES, redact, redact_payload, redaction_mode, scrub_credentials
 from core.messages import (ChangeEnvelope, DeadLetter, FeedbackSample, FinetuneSpec, InferenceRecord, RetrainTrigger,
                            SourcePosition, decode)
+from operators.micro_batches import MICRO_BATCH_TOPIC
 
 DLQ_TAG = OutputTag("dead-letters", Types.STRING())
 # CDC change events, keyed downstream by the changed row: (row_key, payload, topic, partition, offset, ts).
@@ -48,7 +51,8 @@ CHANGE_TYPE = Types.TUPLE([Types.STRING(), Types.STRING(), Types.STRING(), Types
 CHANGE_TAG = OutputTag("changes", CHANGE_TYPE)
 
 # (kind, model_id, payload, topic, partition, offset, ts): what the keyed trainer receives;
-# the payload is the original, now known to be valid.
+# the payload is the original, now known to be valid. Kind "batch" (--micro-batch-ms): a
+# model's micro-batch of samples, payload its packed entries and partition their count.
 VALID_TYPE = Types.TUPLE([Types.STRING(), Types.STRING(), Types.STRING(), Types.STRING(),
                           Types.INT(), Types.LONG(), Types.LONG()])
 
@@ -166,12 +170,19 @@ class ValidateFunction(ProcessFunction):
         self.records_in = metrics.counter("records_in")
         self.valid = metrics.counter("valid")
         self.dead_lettered = metrics.counter("dead_lettered")
+        self.micro_batched = metrics.counter("micro_batched")  # of valid: proved valid in the JVM (--micro-batch-ms)
         self.redactions = {"total": metrics.counter("redactions"),
                            **{rule: metrics.counter(f"redactions_{rule}") for rule, _, _ in BUILTIN_RULES}}
 
     def process_element(self, row, ctx):
         payload, topic, partition, offset = row["payload"], row["topic"], row["partition"], row["offset"]
         ts = ctx.timestamp()
+        if topic == MICRO_BATCH_TOPIC:  # samples the JVM proved valid (operators/micro_batches.py)
+            self.records_in.inc(partition)
+            self.valid.inc(partition)
+            self.micro_batched.inc(partition)
+            yield "batch", row["key"], payload, topic, partition, offset, ts
+            return
         kind = ("config" if topic == self.config_topic else "change" if topic in self.change_topics
                 else "inference" if topic in self.inference_topics else "sample")
         self.records_in.inc()

@@ -42,6 +42,10 @@ class Pending:
     row_key: str = ""  # CDC samples: the changed row (a newer change or a delete replaces it)
 
     @property
+    def count(self) -> int:
+        return 1  # a micro-batch (operators/micro_batches.py PendingBatch) holds several
+
+    @property
     def order(self) -> tuple:
         # A total order on source positions: a window's batch is the same on every replay.
         return (self.ts, self.topic, self.partition, self.offset)

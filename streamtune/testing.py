@@ -222,6 +222,28 @@ class InMemoryValue:
         self.held = None
 
 
+class InMemoryList:
+    """Flink's ListState reduced to a list."""
+
+    def __init__(self):
+        self.held: list = []
+
+    def get(self) -> list:
+        return list(self.held)
+
+    def add(self, value) -> None:
+        self.held.append(value)
+
+    def add_all(self, values) -> None:
+        self.held.extend(values)
+
+    def update(self, values) -> None:
+        self.held = list(values)
+
+    def clear(self) -> None:
+        self.held = []
+
+
 class KeyedTimers:
     """A keyed process function's context reduced to one key, a wall clock and the timers it
     registered: to drive process_element and on_timer directly, firing timers as Flink would.
@@ -306,6 +328,7 @@ def trainer_function(base, store_dir, **settings):
     fn.store = ArtifactStore(fn.settings.artifact_store)
     for attribute in FinetuneFunction.KEYED_STATE:
         setattr(fn, attribute, InMemoryValue())
+    fn.pending_samples = InMemoryList()
     fn.champion_files, fn.counters, fn.opened_at = {}, TallyCounters(), 0
     fn.start_worker_memory()
     fn.watch_pending()
@@ -350,6 +373,9 @@ class InMemoryRuntimeContext:
 
     def get_state(self, descriptor) -> InMemoryValue:
         return self.state.setdefault(descriptor.name, InMemoryValue())
+
+    def get_list_state(self, descriptor) -> InMemoryList:
+        return self.state.setdefault(descriptor.name, InMemoryList())
 
     def get_metrics_group(self) -> InMemoryMetrics:
         return InMemoryMetrics()

@@ -1,17 +1,22 @@
 """Scale-out on the local cluster: parallelism 4 over two TaskManagers, a TaskManager killed,
-a model whose data stops, many models in one job.
+a model whose data stops, many models in one job; and the JVM fast path (--micro-batch-ms,
+marker `ingest`) at parallelism 1 and 4.
 
-The reference is the same job at parallelism 1 on the same input: a window holds the same
-samples however the partitions interleave (only the watermark closes windows, and a
-window trains in source order), so the versions must match sample for sample and byte for
-byte (sha256 of the adapter).
+The reference is the same job at parallelism 1 on the same input, every record through the
+Python validation: a window holds the same samples however the partitions interleave (only
+the watermark closes windows, and a window trains in source order), so the versions must
+match sample for sample and byte for byte (sha256 of the adapter). The input mixes what the
+fast path takes (samples as FeedbackSample.to_json writes them) with what it leaves to
+Python (one sample in five in another key order, three records that are not JSON).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,6 +37,20 @@ PARTITIONS = 4
 MODELS = 8
 PER_MODEL = 60           # over 12 s of event time: six 2 s windows of 10 samples
 MAX_STEP = 8             # so a window trains in two steps: the cut must be the same too
+NOT_JSON = 3             # records of the workload that are not JSON
+MICRO_BATCH_MS = 1000    # --micro-batch-ms of the fast-path runs
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A record as a producer wrote it (produce_partitioned sends `to_json()`)."""
+
+    model_id: str
+    ts: int
+    value: str
+
+    def to_json(self) -> str:
+        return self.value
 
 
 def produce_partitioned(bootstrap: str, topic: str, samples: list[FeedbackSample], partitions: int,
@@ -78,14 +97,21 @@ def workload():
     # A record 60 s later on every partition: it moves each partition's watermark past every window.
     closers = [FeedbackSample(model_id=f"closer-{u}", sample_id=f"closer-{p}", prompt="x=1;y=", completion="2",
                               ts=T0 + 72_000) for p in range(PARTITIONS)]
-    return {"u": u, "models": models, "samples": samples, "records": samples + closers}
+    # Valid in another key order (only the Python validation may take it), and not JSON at all.
+    records = [Raw(s.model_id, s.ts, json.dumps(dict(reversed(json.loads(s.to_json()).items()))))
+               if i % 5 == 4 else s for i, s in enumerate(samples)]
+    records[10:10] = [Raw(models[0], samples[10 + k].ts, "{not json") for k in range(NOT_JSON)]
+    return {"u": u, "models": models, "samples": samples, "records": records + closers,
+            "canonical": sum(isinstance(r, FeedbackSample) for r in records) + len(closers)}
 
 
 def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism: int, live: bool,
-            during=None, per_second: float = 40) -> dict:
+            during=None, per_second: float = 40, micro_batch_ms: int = 0, full_counts: bool = False) -> dict:
     """The training job over the workload at `parallelism`, from a topic of its own: produced
     before the job starts, or `live` while it runs; its versions per model (by seq) once every
-    sample is in one. `during(job_id, topics, producer_thread)` runs while the job trains."""
+    sample is in one. `during(job_id, topics, producer_thread)` runs while the job trains.
+    `full_counts`: its counters once validate has counted every record and config (Flink's
+    REST metrics lag by seconds; a restored job counts only since its restore)."""
     import threading
 
     boot = stack_config.kafka_bootstrap
@@ -102,7 +128,8 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
         produce.run()
     job = submit_detached(stack_config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base_model, tmp_path / name, "--bootstrap-server", boot, "--parallelism", str(parallelism),
-        "--checkpoint-interval-ms", "1000", "--no-register", "--job-name", f"scale-{name}-{workload['u']}"))
+        "--checkpoint-interval-ms", "1000", "--no-register", "--job-name", f"scale-{name}-{workload['u']}",
+        "--micro-batch-ms", str(micro_batch_ms)))
     try:
         if live:
             # The stream starts once every subtask runs (its Python worker started; on two
@@ -137,7 +164,9 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
             versions = wait_for(all_trained, 600, "every sample in a committed version", interval=3)
         except AssertionError as timeout:
             raise AssertionError(f"{timeout}; {_why_stuck(stack_config, job, boot, topics, workload)}") from None
-        counters = job_counters(stack_config.flink_rest_url, job)
+        every = len(workload["records"]) + len(workload["models"])
+        counters = wait_for(lambda: (c := job_counters(stack_config.flink_rest_url, job)).get(
+            "validate.records_in", 0) >= (every if full_counts else 0) and c, 60, "validate to count every record")
     finally:
         cancel_job(stack_config, job)
     every_copy = wait_for_records(boot, topics["versions"], VersionRecord, 0, 0, read_committed=False)
@@ -197,7 +226,8 @@ def assert_each_sample_once(run: dict, workload: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(stack_config, base_model, tmp_path_factory, workload):
-    run = run_job(stack_config, base_model, tmp_path_factory.mktemp("p1"), workload, "p1", 1, live=False)
+    run = run_job(stack_config, base_model, tmp_path_factory.mktemp("p1"), workload, "p1", 1, live=False,
+                  full_counts=True)
     assert_each_sample_once(run, workload)
     assert any(v.trigger == "max_samples" for vs in run["versions"].values() for v in vs), \
         "windows above max_samples_per_step train in several steps"
@@ -410,3 +440,28 @@ def test_100_models_in_one_job_all_train_within_the_adapter_bound(stack_config, 
     assert held and max(n for n, _ in held) <= bound, f"live adapters sampled: {held}"
     # Weights and AdamW's two moments per adapter held, at most `bound` of them.
     assert max(b for _, b in held) <= bound * 3 * weights, f"live adapter bytes sampled: {held}"
+
+
+@pytest.mark.ingest
+@pytest.mark.parametrize("parallelism", [1, PARTITIONS])
+def test_micro_batches_give_the_versions_of_the_python_path(
+        stack_config, base_model, tmp_path, workload, request, parallelism):
+    """The JVM proves the canonical samples valid and hands them to the trainer in micro-batches
+    (operators/micro_batches.py); the rest takes the Python validation. Same versions."""
+    run = run_job(stack_config, base_model, tmp_path, workload, f"mb{parallelism}", parallelism,
+                  live=parallelism > 1, micro_batch_ms=MICRO_BATCH_MS, full_counts=True)
+    assert_each_sample_once(run, workload)
+    reference = request.getfixturevalue("reference")
+    assert fingerprint(run) == fingerprint(reference), "the same versions, sample for sample and byte for byte"
+    counters, python_path = run["counters"], reference["counters"]
+    for name in ("records_in", "valid", "dead_lettered"):
+        assert counters[f"validate.{name}"] == python_path[f"validate.{name}"], f"validate.{name}: the counts add up"
+    assert counters["validate.dead_lettered"] == NOT_JSON
+    # Every canonical record is proved in the JVM (at parallelism 1, read as a backlog, none is
+    # behind the watermark); a live run may see a few behind it, which Python then validates.
+    taken = counters.get("validate.micro_batched", 0)
+    if parallelism == 1:
+        assert taken == workload["canonical"], "the fast path took every canonical record, and nothing else"
+    else:
+        assert 0.9 * workload["canonical"] <= taken <= workload["canonical"], f"{taken} records micro-batched"
+    assert python_path.get("validate.micro_batched", 0) == 0, "the reference ran the Python path only"
