@@ -2,8 +2,10 @@
 trained, not at the next periodic checkpoint (connectors/flink_checkpoints.py).
 
 Both jobs run with a 300 s checkpoint interval: Flink's first periodic checkpoint comes at a
-random delay between the minimum pause (150 s here, jobs/wiring.py) and the interval, so no
-periodic checkpoint can commit anything in the first 150 s of either job.
+random delay between the minimum pause and the interval. The cluster's minimum pause (2 s,
+flink-conf/config.yaml) would let it come at any time, so the jobs are submitted with a longer
+one, which the job caps at half its interval (jobs/wiring.py): no periodic checkpoint can
+commit anything in the first 150 s of either job.
 
 - By default, the version is visible to a read_committed reader within seconds of being
   written, long before any periodic checkpoint, and the trainer counted the request.
@@ -41,6 +43,7 @@ def restarts_and_checkpoints(rest_url: str, job_id: str) -> tuple[list[str], int
 
 
 FIXED_JOB_ID = "$internal.pipeline.job-id"  # Flink's PipelineOptionsInternal.PIPELINE_FIXED_JOB_ID
+LONG_MIN_PAUSE = {"execution.checkpointing.min-pause": f"{INTERVAL_MS} ms"}
 
 
 # Application mode (the Kubernetes operator's FlinkDeployment) fixes the job id in the
@@ -54,14 +57,15 @@ def test_a_version_commits_at_once_unless_checkpoint_on_version_is_off(stack_con
     # not restart, so a restarted run is repeated once on a fresh job.
     for attempt in range(2):
         restarted = commits_at_once(stack_config, base_model, tmp_path / f"run{attempt}", f"{unique}{attempt}",
-                                    on_version, {FIXED_JOB_ID: secrets.token_hex(16)} if fixed_by_cluster else None)
+                                    on_version, {**LONG_MIN_PAUSE, **({FIXED_JOB_ID: secrets.token_hex(16)}
+                                                                      if fixed_by_cluster else {})})
         if not restarted:
             return
     pytest.fail(f"the job restarted in both runs ({restarted}): neither shows what it is for")
 
 
 def commits_at_once(stack_config, base_model, tmp_path: Path, unique: str, on_version: bool,
-                    properties: dict[str, str] | None) -> list[str]:
+                    properties: dict[str, str]) -> list[str]:
     """One run; [] when the job never restarted (the assertions then all held), else the
     failures it restarted after (the control's visible records prove nothing then).
     `properties`: the cluster's configuration for this job (`flink run -D`)."""
@@ -74,7 +78,7 @@ def commits_at_once(stack_config, base_model, tmp_path: Path, unique: str, on_ve
         "--job-name", f"cov-{unique}", *(() if on_version else ("--no-checkpoint-on-version",))), properties)
     submitted = time.monotonic()
     try:
-        if properties:  # the job kept the id the cluster gave it: that is the one its trainer asks about
+        if FIXED_JOB_ID in properties:  # the job kept the id the cluster gave it: its trainer asks about that one
             assert job == properties[FIXED_JOB_ID]
         t0 = (int(time.time() * 1000) // 10_000) * 10_000 - 60_000
         send_config(bootstrap, topics["configs"], spec(model_id, topics, min_samples=4, window_seconds=2), t0)
