@@ -86,6 +86,8 @@ def job_rate(config: StackConfig, base: Path, windows: int, per_window: int, ran
     """(samples/s, each version as read: seconds after the backlog was sent, samples, losses)."""
     from kafka import KafkaConsumer, TopicPartition
 
+    from connectors.kafka import seek_to_first
+
     u = f"{time.time_ns() % 10**9:x}"
     topics = job_topics(config.kafka_bootstrap, f"bench.overhead-{u}")
     model_id = f"bench-{u}"
@@ -99,10 +101,10 @@ def job_rate(config: StackConfig, base: Path, windows: int, per_window: int, ran
     send_samples(config.kafka_bootstrap, topics["feedback"], samples[:per_window + 1])
 
     written: list[tuple] = []  # (wall time the version was read, samples, loss before, loss after)
-    consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, fetch_max_wait_ms=20)
+    consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, fetch_max_wait_ms=20, auto_offset_reset="earliest")
     tp = TopicPartition(topics["versions"], 0)
     consumer.assign([tp])
-    consumer.seek_to_beginning()
+    seek_to_first(consumer, [tp])
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
     job = LocalJob(job_args(topics, base, tmp / "adapters", "--bootstrap-server", config.kafka_bootstrap,
                             "--checkpoint-interval-ms", "5000", "--job-name", f"bench-{u}", "--no-register",

@@ -36,7 +36,7 @@ def read_topic(bootstrap: str, topic: str, *, expect: int | None = None, timeout
     `expect` is None, or at `timeout`. Returns kafka-python ConsumerRecords in offset order
     per partition.
     """
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
                              isolation_level="read_committed" if read_committed else "read_uncommitted",
                              **transport.kafka_python_kwargs())
     try:
@@ -65,7 +65,8 @@ def read_to_end(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
     On Tansu the reported end can be short of the true end (it answers the last batch's
     start + 1), so callers must treat the result as "at least this much", never as all.
     """
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, **transport.kafka_python_kwargs())
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
+                             **transport.kafka_python_kwargs())
     try:
         deadline = time.monotonic() + timeout
         tps = _from_beginning(consumer, topic, deadline)
@@ -88,7 +89,7 @@ def read_tail(bootstrap: str, topic: str, limit: int, timeout: float = 10.0, idl
     ([] for a missing topic). On Tansu the end offset can fall short of the true end, so a
     few newer records may come too."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed",
-                             **transport.kafka_python_kwargs())
+                             auto_offset_reset="earliest", **transport.kafka_python_kwargs())
     try:
         deadline = time.monotonic() + timeout
         tps = _from_beginning(consumer, topic, deadline)
@@ -106,6 +107,21 @@ def read_tail(bootstrap: str, topic: str, limit: int, timeout: float = 10.0, idl
         consumer.close()
 
 
+def seek_to_first(consumer: KafkaConsumer, partitions) -> None:
+    """Position `partitions` at offset 0, for reading them from their start.
+
+    Not `seek_to_beginning`: the local broker (Tansu) once answered a partition's earliest
+    offset past its first four records (a versions topic first written by four transactional
+    producers at once), and a reader that asked for it skipped them. On a broker whose log
+    starts later (retention), offset 0 is out of range and the consumer's `auto_offset_reset`,
+    which must be "earliest", moves it to the true start.
+    """
+    if consumer.config["auto_offset_reset"] != "earliest":
+        raise ValueError("seek_to_first needs a consumer with auto_offset_reset='earliest'")
+    for tp in partitions:
+        consumer.seek(tp, 0)
+
+
 def _from_beginning(consumer: KafkaConsumer, topic: str, deadline: float) -> list[TopicPartition]:
     """Assign every partition of `topic` at its first offset, once its metadata is known
     (until `deadline`); [] when the topic never showed up."""
@@ -118,7 +134,7 @@ def _from_beginning(consumer: KafkaConsumer, topic: str, deadline: float) -> lis
         return []
     tps = [TopicPartition(topic, p) for p in sorted(partitions)]
     consumer.assign(tps)
-    consumer.seek_to_beginning()
+    seek_to_first(consumer, tps)
     return tps
 
 
@@ -156,7 +172,7 @@ def follow_topics(bootstrap: str, wanted: Callable[[str], bool], on_record: Call
                         consumer.assign(sorted(assigned))
                         fresh = [tp for tp in new if tp not in positions]
                         if fresh:
-                            consumer.seek_to_beginning(*fresh)
+                            seek_to_first(consumer, fresh)
                         for tp in new - set(fresh):
                             consumer.seek(tp, positions[tp])
                     next_refresh = time.monotonic() + refresh_s

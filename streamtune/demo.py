@@ -146,10 +146,12 @@ def follow_broadcasts(config: StackConfig, topic: str, count: int, timeout_s: fl
     (`seen`: those already reported by an earlier call, updated in place)."""
     from kafka import KafkaConsumer, TopicPartition
 
+    from connectors.kafka import seek_to_first
+
     consumer = KafkaConsumer(bootstrap_servers=config.kafka_bootstrap, enable_auto_commit=False,
-                             fetch_max_wait_ms=100, **transport.kafka_python_kwargs())
+                             auto_offset_reset="earliest", fetch_max_wait_ms=100, **transport.kafka_python_kwargs())
     consumer.assign([TopicPartition(topic, 0)])
-    consumer.seek_to_beginning()
+    seek_to_first(consumer, [TopicPartition(topic, 0)])
     seen = {} if seen is None else seen
     deadline = time.monotonic() + timeout_s
     try:

@@ -85,10 +85,12 @@ def committed_reader(bootstrap: str, topic: str):
     (assign(), not subscribe(): on Tansu a subscription sometimes read nothing for a minute)."""
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+    from connectors.kafka import seek_to_first
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed", auto_offset_reset="earliest",
                              enable_auto_commit=False, fetch_max_wait_ms=20, **transport.kafka_python_kwargs())
     consumer.assign([TopicPartition(topic, 0)])
-    consumer.seek_to_beginning()
+    seek_to_first(consumer, [TopicPartition(topic, 0)])
     return consumer
 
 

@@ -206,10 +206,12 @@ class EmissionWatcher:
     def __init__(self, bootstrap: str, topic: str):
         from kafka import KafkaConsumer, TopicPartition
 
+        from connectors.kafka import seek_to_first
+
         self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_uncommitted",
-                                      enable_auto_commit=False, fetch_max_wait_ms=20)
+                                      enable_auto_commit=False, fetch_max_wait_ms=20, auto_offset_reset="earliest")
         self.consumer.assign([TopicPartition(topic, 0)])
-        self.consumer.seek_to_beginning()
+        seek_to_first(self.consumer, [TopicPartition(topic, 0)])
 
     def wait_for_next(self, deadline: float) -> None:
         while self.consumer.poll(timeout_ms=50):  # drain what is already there

@@ -32,7 +32,7 @@ import pytest
 import requests
 from kafka import KafkaConsumer, TopicPartition
 
-from connectors.kafka import read_topic
+from connectors.kafka import read_topic, seek_to_first
 from streamtune.api.app import capture_env
 from streamtune.api.captures import CaptureSupervisor
 from streamtune.local_job import kill_group, spawn_logged
@@ -50,11 +50,11 @@ SECRET_ENV = "ST_TEST_SOURCE_PASSWORD"
 def topics_containing(bootstrap: str, needle: bytes) -> list[str]:
     """Every topic with a record whose key or value contains `needle` (all topics, all records,
     uncommitted ones too)."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     try:
         parts = [TopicPartition(t, p) for t in consumer.topics() for p in (consumer.partitions_for_topic(t) or [])]
         consumer.assign(parts)
-        consumer.seek_to_beginning()
+        seek_to_first(consumer, parts)
         found = set()
         while batch := consumer.poll(timeout_ms=2000, max_records=5000):
             for tp, records in batch.items():

@@ -61,10 +61,12 @@ def first_seen(bootstrap: str, topic: str, isolation: str, seen: dict[str, int])
 
     consumer = first_seen.consumers.get((topic, isolation))
     if consumer is None:
+        from connectors.kafka import seek_to_first
+
         consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level=isolation, enable_auto_commit=False,
-                                 fetch_max_wait_ms=20)
+                                 fetch_max_wait_ms=20, auto_offset_reset="earliest")
         consumer.assign([TopicPartition(topic, 0)])
-        consumer.seek_to_beginning()
+        seek_to_first(consumer, [TopicPartition(topic, 0)])
         first_seen.consumers[(topic, isolation)] = consumer
     now = int(time.time() * 1000)
     for records in consumer.poll(timeout_ms=50).values():
