@@ -217,9 +217,16 @@ def run_sql(config: StackConfig, topics: dict, counts_topic: str, rows: list, to
 
 
 def check_counts(arm: str, rows: list[dict], expected: Counter) -> None:
-    """Every window up to the last one closed holds exactly what was sent (a job arm may stop
-    before the backlog ends)."""
-    got, last = per_window(rows), max(r["window_end"] for r in rows)
+    """Every window up to the last one every model closed holds exactly what was sent (a job
+    arm may stop before the backlog ends; a model's windows come in order, but one model may
+    close a later window before another closes an earlier one)."""
+    got, closed = per_window(rows), {}
+    for r in rows:
+        closed[r["model_id"]] = max(closed.get(r["model_id"], 0), r["window_end"])
+    if silent := {m for m, _ in expected} - set(closed):
+        raise SystemExit(f"{arm}: no window of {sorted(silent)[:5]} closed")
+    last = min(closed.values())
+    got = Counter({k: n for k, n in got.items() if k[1] <= last})
     wanted = Counter({k: n for k, n in expected.items() if k[1] <= last})
     if got != wanted:
         wrong = sorted(k for k in set(got) | set(wanted) if got[k] != wanted[k])[:5]

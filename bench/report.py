@@ -134,14 +134,16 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                     f"{where})", f"p50 {submit['p50_s']:.1f} / max {submit['max_s']:.1f} s ({submit['runs']} runs, "
                     f"{idle} closed by the idle timer{split})",
                     f"{submit_goal}: {'met' if met else 'not met'}", submit["date"]))
-    runs = [r for r in (load("ingest"), load("ingest-1000-models")) if r]
+    runs = [r for r in (load("ingest"), load("ingest-dense"), load("ingest-1000-models")) if r]
     for ingest in runs:
         sql = ingest["arms"]["sql"]["records_per_s"]
+        density = f", {ingest['records'] // ingest['minutes']:,} records per event-time minute"
         for arm, a in ingest["arms"].items():
             if arm != "sql":
                 ratio = ingest["ratio_over_sql"][arm]
+                batches = f", {a['micro_batch_ms']} ms micro-batches" if a.get("micro_batch_ms") else ""
                 out.append(("ingest", f"records/s through the job's validation and windowing ({a['bundle_ms']} ms Python "
-                            f"bundles, {ingest['models']} models) ÷ the same counts in Flink SQL",
+                            f"bundles{batches}, {ingest['models']} models{density}) ÷ the same counts in Flink SQL",
                             f"{ratio:.4f} ({a['records_per_s']:.0f} vs {sql:.0f} records/s)",
                             f"≥ {ingest['goal_ratio']:g}: {verdict(ratio, ingest['goal_ratio'], at_most=False)}",
                             ingest["date"]))

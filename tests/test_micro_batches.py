@@ -32,6 +32,7 @@ from operators.validate import parse, redact_sample
 from operators.windowing import Pending
 from pyflink.datastream import TimeDomain
 from streamtune.testing import KeyedTimers, trainer_function
+from test_trainer_windows import window_spec
 
 pytestmark = pytest.mark.ingest
 FAST = re.compile(FAST_SAMPLE)
@@ -156,14 +157,6 @@ def test_micro_batches_must_divide_a_second():
 
 # -- the trainer: a micro-batch trains as its samples would, one by one ---------------------
 
-def _window_spec(model_id: str) -> FinetuneSpec:
-    return FinetuneSpec.model_validate({
-        "model_id": model_id, "stream_source": "kafka://topic=feedback",
-        "adapter_config": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "trigger_policy": {"min_samples_per_window": 4, "window_seconds": 1, "max_samples_per_step": 6},
-        "training": {"lr": 0.01, "micro_batch_size": 4}, "seed": 3})
-
-
 def _records(model_id: str, n: int, span_ms: int) -> list[tuple]:
     """The job's input tuples of `n` samples over `span_ms`, in event-time order, two partitions."""
     from streamtune.tinymodel import digit_pairs
@@ -199,11 +192,11 @@ def _micro_batches(records: list[tuple], size_ms: int) -> list[tuple]:
 
 def test_a_micro_batch_trains_as_its_samples_would(base, tmp_path):
     records = _records("mb", 40, span_ms=3500)
-    one_by_one = _drive(trainer_function(base, tmp_path / "one"), KeyedTimers("mb"), _window_spec("mb"), records)
+    one_by_one = _drive(trainer_function(base, tmp_path / "one"), KeyedTimers("mb"), window_spec("mb"), records)
     batches = _micro_batches(records, 250)
     assert len(batches) < len(records) and max(b[4] for b in batches) > 1
     fn = trainer_function(base, tmp_path / "batched")
-    batched = _drive(fn, KeyedTimers("mb"), _window_spec("mb"), batches)
+    batched = _drive(fn, KeyedTimers("mb"), window_spec("mb"), batches)
     assert len(one_by_one) >= 3
     assert [(v.version_id, v.sha256, v.lineage.sample_ids, v.trigger) for v in batched] == \
         [(v.version_id, v.sha256, v.lineage.sample_ids, v.trigger) for v in one_by_one]
@@ -215,15 +208,15 @@ def test_pending_samples_of_an_earlier_version_train_with_the_next_window(base, 
     records = _records("old", 12, span_ms=900)  # one window, closed by the next one's sample
     closer = ("sample", "old", FeedbackSample(model_id="old", sample_id="next", prompt="x=1;y=", completion="2",
                                               ts=T0 + 1500).to_json(), "feedback", 0, 99, T0 + 1500)
-    reference = _drive(trainer_function(base, tmp_path / "ref"), KeyedTimers("old"), _window_spec("old"),
+    reference = _drive(trainer_function(base, tmp_path / "ref"), KeyedTimers("old"), window_spec("old"),
                        records + [closer])
     assert sorted(i for v in reference for i in v.lineage.sample_ids) == sorted(f"s{i}" for i in range(12))
     fn, ctx = trainer_function(base, tmp_path / "restored"), KeyedTimers("old")
-    fn.config.update({"spec": _window_spec("old").to_json(), "version": 1, "hash": _window_spec("old").spec_hash()})
+    fn.config.update({"spec": window_spec("old").to_json(), "version": 1, "hash": window_spec("old").spec_hash()})
     fn.pending.before.update([Pending(FeedbackSample.from_json(r[2]).sample_id, FeedbackSample.from_json(r[2]).prompt,
                                       FeedbackSample.from_json(r[2]).completion, 1.0, r[6], r[3], r[4], r[5], r[2])
                               for r in records[:5]])
-    versions = _drive(fn, ctx, _window_spec("old"), records[5:] + [closer])
+    versions = _drive(fn, ctx, window_spec("old"), records[5:] + [closer])
     assert [(v.version_id, v.sha256, v.lineage.sample_ids) for v in versions] == \
         [(v.version_id, v.sha256, v.lineage.sample_ids) for v in reference]
     assert fn.pending.before.value() is None, "moved out of the old state"
