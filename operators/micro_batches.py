@@ -1,9 +1,9 @@
 """Samples in the JVM: a fast path that checks and groups feedback before any Python runs.
 
 Every record that crosses into Python costs a serialization, a gRPC frame and a Python call
-on each side (bench/ingest.py: about 1,500 records/s through validate and the trainer's
-windows, against about 250,000/s for the same counts in Flink SQL). With `--micro-batch-ms`
-the job's input table splits in two, in SQL:
+on each side (bench/ingest.py: a few thousand records/s through validate and the trainer's
+windows, against a few hundred thousand for the same counts in Flink SQL; figures in
+docs/benchmarks.md). With `--micro-batch-ms` the job's input table splits in two, in SQL:
 
 - **fast**: a feedback record that the JVM can prove valid, unchanged by redaction and not
   late (`fast_condition`) joins its model's micro-batch, an event-time tumbling window of
@@ -16,7 +16,7 @@ the job's input table splits in two, in SQL:
   reasons, details and redaction for dead letters are unchanged.
 
 The fast condition is a subset of what validate accepts, so the two paths give the same
-windows (tests/test_ingest_equality.py): a payload in FeedbackSample's canonical layout
+windows (`pytest -m ingest`: tests/test_micro_batches.py, tests/test_scale.py): a payload in FeedbackSample's canonical layout
 (core.messages: the fields in declaration order, as `to_json` writes them, with optional
 JSON whitespace), strings without escapes, control characters or `@`, a prompt and a
 completion of fewer than 9 digits each (so no e-mail, phone or card rule of
@@ -28,7 +28,10 @@ Why `window_time` and not a count: the micro-batch closes when the watermark pas
 before any trainer window that contains it, so which samples a trainer window holds does not
 change; a record that is already behind the watermark never enters a micro-batch (Flink
 would drop it) but goes the Python way and joins the next window, as it does without the
-fast path.
+fast path. The cost of that choice: a micro-batch closes only when a later record moves the
+watermark past it, so the last one of a stream that stops waits for the next record (the
+trainer's idle close cannot reach samples still in SQL); this is why the option is off by
+default.
 
 >>> import re
 >>> fast = re.compile(FAST_SAMPLE)
