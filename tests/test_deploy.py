@@ -230,10 +230,12 @@ def test_mlflow_outage_delays_registration_never_training(stack_config, cluster_
 
 
 def test_bad_artifact_is_reported_not_registered(stack_config, cluster_job, unique):
-    """An artifact deleted, another altered, between training and registration (15 s checkpoints
-    leave the window): each goes to the DLQ with its reason; the next versions register."""
+    """An artifact deleted, another altered, between training and registration (15 s periodic
+    checkpoints leave the window; a checkpoint asked for as each version is trained would close
+    it in well under a second, a race this test could lose): each goes to the DLQ with its
+    reason; the next versions register."""
     topics, store, start = cluster_job
-    start("--checkpoint-interval-ms", "15000")
+    start("--checkpoint-interval-ms", "15000", "--no-checkpoint-on-version")
     boot, model_id, t0 = stack_config.kafka_bootstrap, f"bad-{unique}", 1_772_000_000_000
     send_config(boot, topics["configs"], spec(model_id, topics, min_samples=8, window_seconds=2), t0)
     pairs = digit_pairs(50, seed=3)
