@@ -118,6 +118,13 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         out.append(("many models", f"step time, {last['models']} models ÷ 1 model", f"{last['step_ratio_to_one']:.2f}",
                     "", many["date"]))
     submit_goal = "p50 ≤ 10 s, max ≤ 15 s, ≥ 5 runs"
+
+    def cold_split(submit: dict) -> str:
+        cold = submit.get("cold_workers")
+        return (f"; interleaved runs with cold Python workers: p50 {cold['p50_s']:.1f} / max {cold['max_s']:.1f} s, "
+                f"start {cold['phases_p50_s']['start']:.1f} s; p50 warm ÷ cold {submit['p50_over_cold']:.2f}"
+                if cold else "")
+
     for name in ("submit", "submit-busy", "submit-busy-idle-2s"):
         submit = load(name)
         if not submit:
@@ -132,7 +139,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                          f", --idle-timeout-ms {submit['idle_timeout_ms']}" if submit.get("idle_timeout_ms") else ""])
         out.append(("submit", f"`flink run` → first committed version ({submit['checkpoint_ms'] / 1000:g} s checkpoints"
                     f"{where})", f"p50 {submit['p50_s']:.1f} / max {submit['max_s']:.1f} s ({submit['runs']} runs, "
-                    f"{idle} closed by the idle timer{split})",
+                    f"{idle} closed by the idle timer{split}{cold_split(submit)})",
                     f"{submit_goal}: {'met' if met else 'not met'}", submit["date"]))
     runs = [r for r in (load("ingest"), load("ingest-dense"), load("ingest-1000-models")) if r]
     for ingest in runs:

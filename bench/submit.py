@@ -20,8 +20,11 @@ wall clock; every process runs on this machine):
 Goal (the project's): p50 <= 10 s, worst <= 15 s, over at least 5 runs, the first on the
 stack as it is (cold when the stack was just started). --busy N runs N busy-looping processes
 beside the stack throughout (a loaded machine); --idle-timeout-ms sets the job's option.
+The job's Python workers are forked warm by the stack's server (streamtune/stack/python_workers.py);
+--compare-cold interleaves, after each run, one whose workers start as fresh interpreters
+(`-Dpython.executable=` the real one), so the two compare within one run of the benchmark.
 
-    .venv/bin/python bench/submit.py [--runs 5] [--checkpoint-ms 2000] [--busy 0] [--idle-timeout-ms MS]
+    .venv/bin/python bench/submit.py [--runs 5] [--checkpoint-ms 2000] [--busy 0] [--idle-timeout-ms MS] [--compare-cold]
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ T0 = 1_770_000_000_000
 PHASES = ("client", "deploy", "start", "first step", "commit")
 
 
-def one_run(config: StackConfig, base: Path, checkpoint_ms: int, extra: list[str]) -> dict:
-    """One submit on a fresh set of topics: the total and its phases, in seconds."""
+def one_run(config: StackConfig, base: Path, checkpoint_ms: int, extra: list[str], cold: bool = False) -> dict:
+    """One submit on a fresh set of topics: the total and its phases, in seconds. `cold`: the
+    job's Python workers start as fresh interpreters (python.executable the real one) instead of
+    being forked warm by the stack's server."""
     u = f"{time.time_ns() % 10**9:x}"
     topics = job_topics(config.kafka_bootstrap, f"bench.submit-{u}")
     model_id = f"submit-{u}"
@@ -67,7 +72,8 @@ def one_run(config: StackConfig, base: Path, checkpoint_ms: int, extra: list[str
     started, started_wall = time.monotonic(), time.time() * 1000
     job_id = submit_detached(config, REPO / "jobs" / "stream_finetune.py", job_args(
         topics, base, tmp / "adapters", "--bootstrap-server", config.kafka_bootstrap, "--job-name", f"submit-{u}",
-        "--checkpoint-interval-ms", str(checkpoint_ms), "--no-register", *extra))
+        "--checkpoint-interval-ms", str(checkpoint_ms), "--no-register", *extra),
+        properties={"python.executable": sys.executable} if cold else None)
     try:
         while not reader.poll(timeout_ms=50):
             if time.monotonic() - started > 300:
@@ -105,40 +111,55 @@ def job_marks(rest: str, job_id: str) -> list[float]:
     raise SystemExit(f"job {job_id}: the trainer never reported its version's time")
 
 
+def summary(runs: list[dict]) -> dict:
+    seconds = [r["total_s"] for r in runs]
+    return {"seconds": seconds, "p50_s": round(statistics.median(seconds), 2), "max_s": round(max(seconds), 2),
+            "phases_p50_s": {p: round(statistics.median(r[p] for r in runs), 2) for p in PHASES},
+            "per_run": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--checkpoint-ms", type=int, default=2000)
     parser.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the stack")
     parser.add_argument("--idle-timeout-ms", type=int, help="the job's --idle-timeout-ms (default: the job's)")
+    parser.add_argument("--compare-cold", action="store_true",
+                        help="after each run, one whose Python workers start cold (a fresh interpreter)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "submit.json")
     args = parser.parse_args()
     config = StackConfig.from_env()
     base = build_tiny_llama(config.data_dir / "models" / "tiny-llama")
     extra = ["--idle-timeout-ms", str(args.idle_timeout_ms)] if args.idle_timeout_ms else []
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-    runs = []
+    runs, cold_runs = [], []
     try:
         for i in range(args.runs):
-            runs.append(one_run(config, base, args.checkpoint_ms, extra))
-            print(f"  run {i + 1}: {runs[-1]['total_s']:.1f} s  (" + ", ".join(
-                f"{p} {runs[-1][p]:.1f}" for p in PHASES) + (", closed by the idle timer" if runs[-1][
-                    "closed_by_idle_timer"] else "") + ")", flush=True)
+            for cold in (False, True) if args.compare_cold else (False,):
+                (cold_runs if cold else runs).append(one_run(config, base, args.checkpoint_ms, extra, cold))
+                r = (cold_runs if cold else runs)[-1]
+                print(f"  run {i + 1}{' (cold workers)' if cold else ''}: {r['total_s']:.1f} s  (" + ", ".join(
+                    f"{p} {r[p]:.1f}" for p in PHASES) + (", closed by the idle timer" if r[
+                        "closed_by_idle_timer"] else "") + ")", flush=True)
     finally:
         for p in busy:
             p.kill()
-    seconds = [r["total_s"] for r in runs]
     result = {"date": time.strftime("%Y-%m-%d"), "runs": args.runs, "checkpoint_ms": args.checkpoint_ms,
-              "busy_processes": args.busy, "idle_timeout_ms": args.idle_timeout_ms,
-              "seconds": seconds, "p50_s": round(statistics.median(seconds), 2), "max_s": round(max(seconds), 2),
-              "phases_p50_s": {p: round(statistics.median(r[p] for r in runs), 2) for p in PHASES},
-              "per_run": runs}
+              "busy_processes": args.busy, "idle_timeout_ms": args.idle_timeout_ms, **summary(runs)}
+    if cold_runs:
+        result["cold_workers"] = summary(cold_runs)
+        result["p50_over_cold"] = round(result["p50_s"] / result["cold_workers"]["p50_s"], 3)
     print(f"submit → first committed version over {args.runs} runs ({args.checkpoint_ms} ms checkpoints"
           + (f", {args.busy} busy processes beside" if args.busy else "") + ")")
     print("| phase | p50 s | max s |\n|---|---|---|")
     for p in PHASES:
         print(f"| {p} | {result['phases_p50_s'][p]} | {max(r[p] for r in runs)} |")
     print(f"| total | {result['p50_s']} | {result['max_s']} |")
+    if cold_runs:
+        cold = result["cold_workers"]
+        print(f"cold Python workers (interleaved, same stack): p50 {cold['p50_s']} s, max {cold['max_s']} s; "
+              f"start phase p50 {cold['phases_p50_s']['start']} s against {result['phases_p50_s']['start']} s "
+              f"warm; p50 warm / cold {result['p50_over_cold']}")
     print(f"goal: p50 <= 10 s: measured {result['p50_s']} s: {'met' if result['p50_s'] <= 10 else 'NOT met'}; "
           f"worst <= 15 s: measured {result['max_s']} s: {'met' if result['max_s'] <= 15 else 'NOT met'}"
           + ("" if args.runs >= 5 else f" (only {args.runs} runs: the goal needs at least 5)"))

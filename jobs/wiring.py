@@ -52,6 +52,12 @@ from operators.validate import DLQ_TAG
 # trainer's idle timer. With 2 s and two busy processes beside the stack, 4 of 5 runs of
 # bench/submit.py waited for it (first version 26.1 s p50); with 5 s none did (20.9 s).
 IDLE_TIMEOUT_MS = 5000
+# The config topic's source: configs are rare, and a source holds the watermark until it is
+# idle, so at 5 s the first window of a job waited for it (bench/submit.py, first step 4.3 s
+# once the Python workers started warm). Its backlog's watermark may be lost without harm: the
+# samples' source carries the windows' event time, and a config behind the watermark is one
+# the trainer already handles (it takes effect at the model's next window).
+CONFIG_IDLE_TIMEOUT_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -284,13 +290,13 @@ def table_environment(env: StreamExecutionEnvironment) -> StreamTableEnvironment
 
 def kafka_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics: list[str],
                consumer_properties: dict[str, str] | None = None, reader: str = "input",
-               micro_batch_topics: list[str] | None = None):
+               micro_batch_topics: list[str] | None = None, idle_timeout_ms: int | None = None):
     """Kafka records as rows (key, payload, topic, partition, offset) with event time, read_committed;
     records stamped beyond --max-event-skew-ms do not move the watermark (validate dead-letters them).
     With --micro-batch-ms, the samples of `micro_batch_topics` the JVM proves valid come as one
     row per model and micro-batch (operators/micro_batches.py)."""
     t_env.execute_sql(input_table_ddl(table, topics, job.bootstrap, f"{job.job_name}-{reader}", job.lateness_ms,
-                                      job.idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
+                                      job.idle_timeout_ms if idle_timeout_ms is None else idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
                                       job.max_event_skew_ms))
     if not (job.micro_batch_ms and micro_batch_topics):
         return t_env.to_data_stream(t_env.from_path(table))
@@ -320,7 +326,8 @@ def input_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics
     first window.
     """
     data = kafka_rows(t_env, job, table, topics, consumer_properties, micro_batch_topics=micro_batch_topics)
-    configs = kafka_rows(t_env, job, f"{table}_configs", [job.config_topic], consumer_properties, reader="configs")
+    configs = kafka_rows(t_env, job, f"{table}_configs", [job.config_topic], consumer_properties, reader="configs",
+                         idle_timeout_ms=min(job.idle_timeout_ms, CONFIG_IDLE_TIMEOUT_MS))
     return data.union(configs)
 
 

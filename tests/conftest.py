@@ -61,7 +61,8 @@ def base_model(stack_config):
 
 # What a test module starts, it must stop: on two cores one leftover training job or process
 # slows every later test (a leak showed up as jobs training 10x slower late in the suite).
-_STACK_PROCESSES = ("tansu", "postgres", "secantus", "mongod", "mlflow", "org.apache.flink", "pyflink")
+_STACK_PROCESSES = ("tansu", "postgres", "secantus", "mongod", "mlflow", "org.apache.flink", "pyflink",
+                    "python_workers.py")
 
 
 def _running_job_ids(rest_url: str) -> set[str]:

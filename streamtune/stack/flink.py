@@ -13,7 +13,7 @@ import requests
 import yaml
 
 from .component import Component
-from .process import StackError, alive, write_pids
+from .process import StackError, alive, read_pids, spawn, wait_until, write_pids
 
 REPO_FLINK_CONF = Path(__file__).resolve().parents[2] / "flink-conf"
 
@@ -89,7 +89,8 @@ class Flink(Component):
             "jobmanager.rpc.address": c.host, "jobmanager.rpc.port": c.flink_rpc_port,
             "jobmanager.bind-host": c.host, "taskmanager.bind-host": c.host, "taskmanager.host": c.host,
             "rest.address": c.host, "rest.bind-address": c.host, "rest.port": c.flink_rest_port,
-            "python.executable": sys.executable, "python.client.executable": sys.executable,
+            # Workers forked warm (python_workers.py); the client's interpreter starts as usual.
+            "python.executable": str(self.python_launcher), "python.client.executable": sys.executable,
             "execution.checkpointing.dir": f"file://{data}/checkpoints",
             "execution.checkpointing.savepoint-dir": f"file://{data}/savepoints",
             "io.tmp.dirs": str(data / "tmp"),
@@ -123,8 +124,34 @@ class Flink(Component):
         shutil.rmtree(pid_dir, ignore_errors=True)  # stale daemon pid files would be counted
         for d in (pid_dir, self.config.log_dir / "flink"):
             d.mkdir(parents=True, exist_ok=True)
+        self.start_python_workers()
         self._script("start-cluster.sh")
         self._record_pids()
+        # A worker started before the server listens is a cold one: the cluster works either way.
+        if not wait_until(self.python_workers_socket.exists, 120, interval=0.2):
+            with open(self.log_file, "a") as log:
+                log.write(f"python workers: no server at {self.python_workers_socket}; workers start cold\n")
+
+    @property
+    def python_launcher(self) -> Path:
+        return self.config.run_dir / "flink" / "python"
+
+    @property
+    def python_workers_socket(self) -> Path:
+        return self.config.run_dir / "flink" / "python-workers.sock"
+
+    def start_python_workers(self) -> None:
+        """The fork server whose preloaded workers the TaskManagers' launcher asks for."""
+        from .python_workers import SERVER, write_launcher
+
+        self.python_workers_socket.unlink(missing_ok=True)
+        write_launcher(self.python_launcher, self.python_workers_socket)
+        spawn([sys.executable, str(SERVER), str(self.python_workers_socket)],
+              self.config.log_dir / "flink" / "python-workers.log", self.python_workers_pid_file, env=self.env())
+
+    @property
+    def python_workers_pid_file(self) -> Path:
+        return self.config.run_dir / "flink-python-workers.pid"
 
     def _record_pids(self) -> None:
         # flink-daemon.sh names them flink-$USER-<daemon>.pid ($USER may be unset).
@@ -132,7 +159,7 @@ class Flink(Component):
         pids = [int(pid) for f in sorted(pid_dir.glob("flink-*.pid")) for pid in f.read_text().split()]
         if not pids:
             raise StackError(f"start-cluster.sh left no pid files in {pid_dir}")
-        write_pids(self.pid_file, [p for p in pids if alive(p)])
+        write_pids(self.pid_file, [p for p in pids if alive(p)] + read_pids(self.python_workers_pid_file))
 
     def taskmanager_pids(self) -> list[int]:
         pid_dir = self.config.run_dir / "flink"
@@ -151,6 +178,7 @@ class Flink(Component):
             except (StackError, subprocess.TimeoutExpired):
                 pass  # the pid-based stop below still ends every daemon
         super().stop()
+        self.python_workers_pid_file.unlink(missing_ok=True)
 
 
 def flink_cli(config, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
