@@ -160,7 +160,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lateness-ms", type=int, default=0)
     p.add_argument("--idle-timeout-ms", type=int,
                    default=int(os.environ.get("STREAMTUNE_IDLE_TIMEOUT_MS", IDLE_TIMEOUT_MS)),
-                   help="a partition without records this long stops holding the watermark")
+                   help="a partition without records this long stops holding the watermark "
+                        f"(the config topic's after {CONFIG_IDLE_TIMEOUT_MS} ms, or this where shorter)")
     p.add_argument("--idle-close-ms", type=int, default=5000,
                    help="a model with no sample for its window_seconds plus this long closes its open windows "
                         "(the watermark alone may never pass them once the data stops)")

@@ -191,6 +191,7 @@ def serve(socket_path: Path) -> None:
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
+                print(f"python-workers: worker {pid}: {' '.join(request['argv'])}", flush=True)
                 children[pid], by_conn[conn] = conn, pid
                 sel.register(conn, selectors.EVENT_READ)
             else:  # a launcher went away (killed): its worker goes with it, as a cold one would
@@ -216,6 +217,7 @@ def serve(socket_path: Path) -> None:
             if conn is None:
                 continue
             by_conn.pop(conn, None)
+            print(f"python-workers: worker {pid} exited ({os.waitstatus_to_exitcode(status)})", flush=True)
             try:
                 sel.unregister(conn)
             except (KeyError, ValueError):
