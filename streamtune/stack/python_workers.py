@@ -10,8 +10,10 @@ server forks, and the child runs `beam_boot` with the launcher's arguments, envi
 working directory and standard streams, exactly as the interpreter would have.
 
 Only third-party modules are imported ahead (never streamtune's own: a worker must run the
-code installed when its job starts). The server starts no thread, so a fork copies no lock
-held by one. The launcher runs a fresh interpreter instead whenever the server is not there
+code installed when its job starts). The server starts no Python thread (a fork would copy
+their locks in whatever state they are); the native threads its imports start (torch's, the
+allocator's) wait idle, and a forked worker's torch runs and trains as a fresh one does
+(tests/test_python_workers.py). The launcher runs a fresh interpreter instead whenever the server is not there
 or the command is anything but a worker's boot, so the cluster works without it.
 
     python streamtune/stack/python_workers.py SOCKET     # the server (`streamtune stack up`)
@@ -140,6 +142,8 @@ def _run_worker(request: dict, fds: list[int]) -> None:
         runpy.run_module(BOOT_MODULE, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)  # as the interpreter prints sys.exit("message")
     except BaseException:
         import traceback
 
