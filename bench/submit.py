@@ -136,8 +136,8 @@ def main() -> None:
     try:
         for i in range(args.runs):
             for cold in (False, True) if args.compare_cold else (False,):
-                (cold_runs if cold else runs).append(one_run(config, base, args.checkpoint_ms, extra, cold))
-                r = (cold_runs if cold else runs)[-1]
+                r = one_run(config, base, args.checkpoint_ms, extra, cold)
+                (cold_runs if cold else runs).append(r)
                 print(f"  run {i + 1}{' (cold workers)' if cold else ''}: {r['total_s']:.1f} s  (" + ", ".join(
                     f"{p} {r[p]:.1f}" for p in PHASES) + (", closed by the idle timer" if r[
                         "closed_by_idle_timer"] else "") + ")", flush=True)

@@ -296,8 +296,9 @@ def kafka_rows(t_env: StreamTableEnvironment, job: JobConfig, table: str, topics
     records stamped beyond --max-event-skew-ms do not move the watermark (validate dead-letters them).
     With --micro-batch-ms, the samples of `micro_batch_topics` the JVM proves valid come as one
     row per model and micro-batch (operators/micro_batches.py)."""
+    idle = job.idle_timeout_ms if idle_timeout_ms is None else idle_timeout_ms
     t_env.execute_sql(input_table_ddl(table, topics, job.bootstrap, f"{job.job_name}-{reader}", job.lateness_ms,
-                                      job.idle_timeout_ms if idle_timeout_ms is None else idle_timeout_ms, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
+                                      idle, {**CONSUMER_PROPERTIES, **(consumer_properties or {})},
                                       job.max_event_skew_ms))
     if not (job.micro_batch_ms and micro_batch_topics):
         return t_env.to_data_stream(t_env.from_path(table))
