@@ -14,6 +14,9 @@ one-minute windows, one record in --bad-every not JSON) goes to each arm's own t
                       the same with --micro-batch-ms 1000: the samples the JVM proves valid
                       cross into Python once per model and second of event time
                       (operators/micro_batches.py)
+    job, window micro-batches[, 1 s bundles]
+                      the same with micro-batches as long as the window (--micro-batch-ms
+                      60000): once per model and window
     sql               sql/ddl.sql's `feedback` table and sql/samples_per_model.sql (TUMBLE 1
                       minute, samples per model), as `streamtune sql` submits it to the
                       cluster, into a Kafka table with the time each row was emitted
@@ -65,7 +68,7 @@ from streamtune.stack.flink import cancel_job, submit_detached  # noqa: E402
 from streamtune.testing import job_args, job_topics, spec, wait_for_records  # noqa: E402
 
 GOAL_RATIO = 0.5  # the project's goal: the job ingests at least half as fast as Flink SQL
-MICRO_BATCH_MS = 1000  # the micro-batch arms' --micro-batch-ms
+MICRO_BATCH_MS = 1000  # the micro-batch arms' --micro-batch-ms (the window micro-batches': WINDOW_MS)
 UNKNOWN_MODEL_GRACE_S = 900  # longer than any arm: a sample never waits that long for its config
 WINDOW_MS = 60_000  # sql/samples_per_model.sql's TUMBLE; the job's spec gets the same
 T0 = 1_770_000_000_000 // WINDOW_MS * WINDOW_MS
@@ -235,7 +238,9 @@ def check_counts(arm: str, rows: list[dict], expected: Counter) -> None:
 
 # (arm, Python bundle ms: 0 the job's default, None SQL, micro-batch ms: 0 off)
 ARMS = (("job", 0, 0), ("job, 1 s bundles", 1000, 0), ("job, micro-batches", 0, MICRO_BATCH_MS),
-        ("job, micro-batches, 1 s bundles", 1000, MICRO_BATCH_MS), ("sql", None, 0))
+        ("job, micro-batches, 1 s bundles", 1000, MICRO_BATCH_MS),
+        ("job, window micro-batches", 0, WINDOW_MS), ("job, window micro-batches, 1 s bundles", 1000, WINDOW_MS),
+        ("sql", None, 0))
 
 
 def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: float, timeout: float,

@@ -41,7 +41,7 @@ def build(env, job: JobConfig, feedback_topic: str, counts_topic: str) -> None:
     t_env = table_environment(env)
     rows = input_rows(t_env, job, "ingest_input", [feedback_topic], micro_batch_topics=[feedback_topic])
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
-                                              job.max_record_bytes),
+                                              job.max_record_bytes, micro_batch_ms=job.micro_batch_ms),
                              output_type=VALID_TYPE).name("validate").uid("validate")
     counts = (validated.key_by(lambda r: r[1], key_type=Types.STRING())
               .process(WindowCounts(job.trainer_settings()), output_type=Types.STRING())

@@ -53,7 +53,8 @@ def build(env: StreamExecutionEnvironment, job: JobConfig, feedback_topic: str,
     validated = rows.process(ValidateFunction(frozenset({f"kafka:{feedback_topic}"}), job.config_topic,
                                               job.max_record_bytes, inference_topics=frozenset(inference),
                                               max_event_skew_ms=job.max_event_skew_ms,
-                                              max_event_age_ms=job.max_event_age_ms),
+                                              max_event_age_ms=job.max_event_age_ms,
+                                              micro_batch_ms=job.micro_batch_ms),
                              output_type=VALID_TYPE).name("validate").uid("validate")
     dead_letters = [validated.get_side_output(DLQ_TAG)]
     if inference:

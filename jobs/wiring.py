@@ -190,8 +190,11 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                         "0 = off, the default: replaying or backfilling old data must stay possible")
     p.add_argument("--micro-batch-ms", type=int, default=0,
                    help="feedback samples the JVM can prove valid (operators/micro_batches.py) cross into "
-                        "Python once per model and micro-batch of this much event time (dividing 1000), "
-                        "not one by one; the rest takes the Python validation as before. 0 = off")
+                        "Python once per model and micro-batch of this much event time, not one by one; "
+                        "the rest takes the Python validation as before. It divides 1000 or is whole "
+                        "seconds; a config whose window is not a whole number of micro-batches is "
+                        "dead-lettered (schema). Longer: faster ingest, and a stream that stops waits "
+                        "longer for its last window (docs/concepts/streaming-job.md). 0 = off")
     p.add_argument("--bundle-time-ms", type=int, default=None,
                    help="how long a Python operator holds records before passing them on (default: the "
                         "job's latency setting, 5-10 ms; Flink's 1000 trades freshness for throughput, "

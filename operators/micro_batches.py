@@ -7,8 +7,9 @@ docs/benchmarks.md). With `--micro-batch-ms` the job's input table splits in two
 
 - **fast**: a feedback record that the JVM can prove valid, unchanged by redaction and not
   late (`fast_condition`) joins its model's micro-batch, an event-time tumbling window of
-  `micro_batch_ms` (epoch aligned, dividing 1 s, so it never straddles a trainer window).
-  Each closed micro-batch crosses into Python once: validate counts its samples and passes
+  `micro_batch_ms` (epoch aligned; it divides 1 s, or is whole seconds and validate refuses
+  a config whose window is not a whole number of micro-batches, so it never straddles a
+  trainer window). Each closed micro-batch crosses into Python once: validate counts its samples and passes
   it on, the trainer unpacks it (`unpack`) into the same pending samples, with their own
   source positions and timestamps, as the records would have made one by one.
 - **everything else** (configs, triggers, inference logs, change events, any record the
@@ -30,8 +31,9 @@ change; a record that is already behind the watermark never enters a micro-batch
 would drop it) but goes the Python way and joins the next window, as it does without the
 fast path. The cost of that choice: a micro-batch closes only when a later record moves the
 watermark past it, so the last one of a stream that stops waits for the next record (the
-trainer's idle close cannot reach samples still in SQL); this is why the option is off by
-default.
+trainer's idle close cannot reach samples still in SQL, nor can a retrain trigger); this is
+why the option is off by default. The longer the micro-batch, the fewer rows cross into Python
+(bench/ingest.py: one the length of the window is the fastest arm) and the longer that wait.
 
 >>> import re
 >>> fast = re.compile(FAST_SAMPLE)
@@ -107,14 +109,44 @@ def fast_condition(feedback_topics: list[str], max_record_bytes: int, max_skew_m
     return " AND ".join(terms)
 
 
+def check_micro_batch_ms(micro_batch_ms: int) -> None:
+    """A micro-batch length that divides a second or is whole seconds: either way it divides
+    every window that is a whole number of micro-batches (validate refuses other configs).
+
+    >>> check_micro_batch_ms(250), check_micro_batch_ms(60_000)
+    (None, None)
+    >>> check_micro_batch_ms(1500)
+    Traceback (most recent call last):
+    ...
+    ValueError: micro_batch_ms=1500 must divide 1000 or be whole seconds: a micro-batch may not straddle a trainer window
+    """
+    if micro_batch_ms <= 0 or (1000 % micro_batch_ms and micro_batch_ms % 1000):
+        raise ValueError(f"micro_batch_ms={micro_batch_ms} must divide 1000 or be whole seconds: a micro-batch "
+                         "may not straddle a trainer window")
+
+
+def straddled_window(window_seconds: int, micro_batch_ms: int) -> str | None:
+    """Why a trainer window of `window_seconds` cannot take this job's micro-batches whole
+    (None when it can): epoch-aligned micro-batches fit epoch-aligned windows (operators/
+    windowing.py) exactly when their length divides the window's.
+
+    >>> straddled_window(120, 60_000), straddled_window(7, 250), straddled_window(45, 0)
+    (None, None, None)
+    >>> print(straddled_window(45, 60_000))
+    trigger_policy.window_seconds: 45 s is not a whole number of this job's 60000 ms micro-batches (--micro-batch-ms): a micro-batch may not straddle a window
+    """
+    if micro_batch_ms > 0 and window_seconds * 1000 % micro_batch_ms:
+        return (f"trigger_policy.window_seconds: {window_seconds} s is not a whole number of this job's "
+                f"{micro_batch_ms} ms micro-batches (--micro-batch-ms): a micro-batch may not straddle a window")
+    return None
+
+
 def split_input_sql(table: str, condition: str, micro_batch_ms: int) -> tuple[str, str]:
     """The input table as validate reads it: the records `condition` does not prove, and one
     row per model and micro-batch for those it does (topic MICRO_BATCH_TOPIC, key the model,
     partition the count, payload the packed entries, timestamp the micro-batch's last ms).
     Returns the statement creating the view of the proven records, and the query."""
-    if micro_batch_ms <= 0 or 1000 % micro_batch_ms:
-        raise ValueError(f"micro_batch_ms={micro_batch_ms} must divide 1000: a micro-batch may not "
-                         "straddle a trainer window")
+    check_micro_batch_ms(micro_batch_ms)
     # Epoch ms of the Kafka timestamp (TIMESTAMPDIFF is an INT; MOD: whatever EXTRACT counts beyond the ms).
     millis = ("(CAST(TIMESTAMPDIFF(SECOND, TO_TIMESTAMP_LTZ(0, 3), `ts`) AS BIGINT) * 1000"
               " + MOD(EXTRACT(MILLISECOND FROM `ts`), 1000))")
@@ -169,7 +201,7 @@ class PendingBatch:
     """A micro-batch waiting in its model's pending samples as it came, unpacked only when a
     window closes (`expand`): appending it costs one element, not one per sample. `ts` is the
     micro-batch's last millisecond: its samples all end the same trainer window as it does
-    (micro-batches divide a second, windows are whole seconds)."""
+    (a micro-batch divides its window: `check_micro_batch_ms`, `straddled_window`)."""
 
     ts: int
     count: int

@@ -43,7 +43,7 @@ from core.errors import InvalidMessage
 from core.redaction import BUILTIN_RULES, redact, redact_payload, redaction_mode, scrub_credentials
 from core.messages import (ChangeEnvelope, DeadLetter, FeedbackSample, FinetuneSpec, InferenceRecord, RetrainTrigger,
                            SourcePosition, decode)
-from operators.micro_batches import MICRO_BATCH_TOPIC
+from operators.micro_batches import MICRO_BATCH_TOPIC, straddled_window
 
 DLQ_TAG = OutputTag("dead-letters", Types.STRING())
 # CDC change events, keyed downstream by the changed row: (row_key, payload, topic, partition, offset, ts).
@@ -72,13 +72,15 @@ def _check_size(payload: str, max_bytes: int) -> None:
         raise InvalidMessage("oversized", f"record of {size} bytes exceeds max_record_bytes={max_bytes}")
 
 
-def parse(kind: str, payload, max_bytes: int, served: frozenset[str]):
+def parse(kind: str, payload, max_bytes: int, served: frozenset[str], micro_batch_ms: int = 0):
     """Validate one record; returns (kind, model_id) or raises InvalidMessage.
 
     A config-topic record with a `trigger` field is a retrain trigger, not a spec. An
     inference-topic record with a `label` is feedback already judged (e.g. a correction
     citing the response), a sample like any other, not a pseudo-label. A spec whose source
-    (FinetuneSpec.source_id) is not in `served` belongs to another job.
+    (FinetuneSpec.source_id) is not in `served` belongs to another job; one whose window is not
+    a whole number of the job's micro-batches (`micro_batch_ms`, operators/micro_batches.py)
+    is refused as `schema`.
 
     >>> parse("inference", '{"model_id": "bot", "sample_id": "1", "prompt": "p", "completion": "c", "ts": 0, '
     ...       '"label": "corrected", "request_id": "r1"}', 1024, frozenset())
@@ -95,6 +97,8 @@ def parse(kind: str, payload, max_bytes: int, served: frozenset[str]):
     if kind == "config" and record.source_id not in served:
         raise InvalidMessage("unsupported_source", f"stream_source {record.stream_source} is not served by this "
                                                    f"job (it serves {', '.join(sorted(served))})")
+    if kind == "config" and (why := straddled_window(record.trigger_policy.window_seconds, micro_batch_ms)):
+        raise InvalidMessage("schema", why)
     return kind, record.model_id
 
 
@@ -156,7 +160,7 @@ def redact_sample(payload: str, mode: str) -> tuple[str, dict[str, int]]:
 class ValidateFunction(ProcessFunction):
     def __init__(self, served: frozenset[str], config_topic: str, max_record_bytes: int,
                  change_topics: frozenset[str] = frozenset(), inference_topics: frozenset[str] = frozenset(),
-                 max_event_skew_ms: int = 0, max_event_age_ms: int = 0):
+                 max_event_skew_ms: int = 0, max_event_age_ms: int = 0, micro_batch_ms: int = 0):
         self.served, self.config_topic = served, config_topic
         self.max_record_bytes = max_record_bytes
         self.change_topics = change_topics  # CDC topics: their records go to CHANGE_TAG
@@ -164,6 +168,7 @@ class ValidateFunction(ProcessFunction):
         self.redact_mode = redaction_mode(os.environ)  # read where the job is built; travels with the function
         # Event time bounds (check_event_time; 0 = off): the input's watermark ignores what they refuse.
         self.max_event_skew_ms, self.max_event_age_ms = max_event_skew_ms, max_event_age_ms
+        self.micro_batch_ms = micro_batch_ms  # --micro-batch-ms: a config's window must hold whole micro-batches
 
     def open(self, runtime_context):
         metrics = runtime_context.get_metrics_group()
@@ -192,7 +197,7 @@ class ValidateFunction(ProcessFunction):
                 self.valid.inc()
                 yield CHANGE_TAG, (row_key, payload, topic, partition, offset, ts)
                 return
-            kind, model_id = parse(kind, payload, self.max_record_bytes, self.served)
+            kind, model_id = parse(kind, payload, self.max_record_bytes, self.served, self.micro_batch_ms)
             check_event_time(kind, ts, int(time.time() * 1000), self.max_event_skew_ms, self.max_event_age_ms)
         except InvalidMessage as e:
             self.dead_lettered.inc()

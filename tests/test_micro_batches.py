@@ -150,9 +150,33 @@ def test_java_regex_gives_python_verdicts():
     assert 0 < sum(python.values()) < len(python)
 
 
-def test_micro_batches_must_divide_a_second():
-    with pytest.raises(ValueError, match="must divide 1000"):
-        split_input_sql("t", fast_condition(["f"], 65536, 0, 0), 300)
+@pytest.mark.parametrize("micro_batch_ms", [300, 1500, 0])
+def test_micro_batches_divide_a_second_or_are_whole_seconds(micro_batch_ms):
+    with pytest.raises(ValueError, match="must divide 1000 or be whole seconds"):
+        split_input_sql("t", fast_condition(["f"], 65536, 0, 0), micro_batch_ms)
+
+
+@pytest.mark.parametrize("micro_batch_ms, interval", [(250, "0.250"), (2000, "2.000"), (60_000, "60.000")])
+def test_micro_batches_of_whole_seconds_are_tumbling_windows_of_that_length(micro_batch_ms, interval):
+    _, query = split_input_sql("t", fast_condition(["f"], 65536, 0, 0), micro_batch_ms)
+    assert f"INTERVAL '{interval}' SECOND" in query
+
+
+def _config(window_seconds: int) -> str:
+    spec = json.loads(window_spec("m").to_json())
+    return json.dumps({**spec, "trigger_policy": {**spec["trigger_policy"], "window_seconds": window_seconds}})
+
+
+def test_a_config_whose_window_would_split_a_micro_batch_is_refused():
+    """Micro-batches of a minute fit windows of whole minutes only: a 90 s window would close
+    while the micro-batch holding its last samples is still open in SQL."""
+    served = frozenset({"kafka:feedback"})
+    with pytest.raises(InvalidMessage) as refused:
+        parse("config", _config(90), 65536, served, micro_batch_ms=60_000)
+    assert refused.value.code == "schema" and "90 s is not a whole number" in refused.value.detail
+    assert parse("config", _config(120), 65536, served, micro_batch_ms=60_000) == ("config", "m")
+    assert parse("config", _config(7), 65536, served, micro_batch_ms=250) == ("config", "m")
+    assert parse("config", _config(90), 65536, served) == ("config", "m"), "no micro-batches: any window"
 
 
 # -- the trainer: a micro-batch trains as its samples would, one by one ---------------------
@@ -190,10 +214,11 @@ def _micro_batches(records: list[tuple], size_ms: int) -> list[tuple]:
              MICRO_BATCH_TOPIC, len(rs), 0, (k + 1) * size_ms - 1) for k, rs in sorted(groups.items())]
 
 
-def test_a_micro_batch_trains_as_its_samples_would(base, tmp_path):
+@pytest.mark.parametrize("micro_batch_ms", [250, 1000])  # 1000: as long as window_spec's window
+def test_a_micro_batch_trains_as_its_samples_would(base, tmp_path, micro_batch_ms):
     records = _records("mb", 40, span_ms=3500)
     one_by_one = _drive(trainer_function(base, tmp_path / "one"), KeyedTimers("mb"), window_spec("mb"), records)
-    batches = _micro_batches(records, 250)
+    batches = _micro_batches(records, micro_batch_ms)
     assert len(batches) < len(records) and max(b[4] for b in batches) > 1
     fn = trainer_function(base, tmp_path / "batched")
     batched = _drive(fn, KeyedTimers("mb"), window_spec("mb"), batches)

@@ -38,7 +38,8 @@ MODELS = 8
 PER_MODEL = 60           # over 12 s of event time: six 2 s windows of 10 samples
 MAX_STEP = 8             # so a window trains in two steps: the cut must be the same too
 NOT_JSON = 3             # records of the workload that are not JSON
-MICRO_BATCH_MS = 1000    # --micro-batch-ms of the fast-path runs
+MICRO_BATCH_MS = 1000    # --micro-batch-ms of the fast-path runs (and one as long as the window)
+WINDOW_SECONDS = 2       # every model's window
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def run_job(stack_config, base_model, tmp_path, workload, name: str, parallelism
     create_topic(boot, f"{prefix}.feedback", PARTITIONS)
     topics = job_topics(boot, prefix)
     for m in workload["models"]:
-        send_config(boot, topics["configs"], spec(m, topics, min_samples=5, window_seconds=2,
+        send_config(boot, topics["configs"], spec(m, topics, min_samples=5, window_seconds=WINDOW_SECONDS,
                                                   max_samples=MAX_STEP), T0 - 1000)
     produced: dict = {}
     produce = threading.Thread(target=produce_partitioned, daemon=True, args=(
@@ -451,13 +452,15 @@ def test_100_models_in_one_job_all_train_within_the_adapter_bound(stack_config, 
 
 
 @pytest.mark.ingest
-@pytest.mark.parametrize("parallelism", [1, PARTITIONS])
+@pytest.mark.parametrize("parallelism, micro_batch_ms", [(1, MICRO_BATCH_MS), (PARTITIONS, MICRO_BATCH_MS),
+                                                         (1, WINDOW_SECONDS * 1000)])
 def test_micro_batches_give_the_versions_of_the_python_path(
-        stack_config, base_model, tmp_path, workload, request, parallelism):
+        stack_config, base_model, tmp_path, workload, request, parallelism, micro_batch_ms):
     """The JVM proves the canonical samples valid and hands them to the trainer in micro-batches
-    (operators/micro_batches.py); the rest takes the Python validation. Same versions."""
-    run = run_job(stack_config, base_model, tmp_path, workload, f"mb{parallelism}", parallelism,
-                  live=parallelism > 1, micro_batch_ms=MICRO_BATCH_MS, full_counts=True)
+    (operators/micro_batches.py) of a second, or of a whole window; the rest takes the Python
+    validation. Same versions."""
+    run = run_job(stack_config, base_model, tmp_path, workload, f"mb{parallelism}-{micro_batch_ms}", parallelism,
+                  live=parallelism > 1, micro_batch_ms=micro_batch_ms, full_counts=True)
     assert_each_sample_once(run, workload)
     reference = request.getfixturevalue("reference")
     assert fingerprint(run) == fingerprint(reference), "the same versions, sample for sample and byte for byte"
