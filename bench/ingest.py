@@ -294,7 +294,7 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
     for arm, a in arms.items():
         ratio = (f"{ratios[arm]:.4f} of SQL: goal >= {GOAL_RATIO} "
                  f"{'met' if ratios[arm] >= GOAL_RATIO else 'NOT met'}") if arm in ratios else ""
-        print(f"  {arm:<32} {a['records_per_s']:>10.0f}   {ratio}")
+        print(f"  {arm:<40} {a['records_per_s']:>10.0f}   {ratio}")
     print("  every window's count matches what was sent; dead letters: "
           + ", ".join(f"{arm} {a['dead_lettered']} of {a['bad_read']}" for arm, a in arms.items() if "bad_read" in a)
           + "\n"

@@ -154,13 +154,14 @@ def split_input_sql(table: str, condition: str, micro_batch_ms: int) -> tuple[st
              "CAST(`offset` AS STRING), `payload`)")
     view = f"""
         CREATE TEMPORARY VIEW `{table}_fast` AS
-        SELECT JSON_VALUE(`payload`, '$.model_id') AS `model_id`, {entry} AS `entry`, `ts` FROM `{table}`
+        SELECT SPLIT_INDEX(`payload`, '"', 3) AS `model_id`, {entry} AS `entry`, `ts` FROM `{table}`
         WHERE ({condition}) IS TRUE"""
     query = f"""
         SELECT `key`, `payload`, `topic`, `partition`, `offset`, `ts` FROM `{table}`
         WHERE ({condition}) IS NOT TRUE
         UNION ALL
-        SELECT `model_id` AS `key`, LISTAGG(`entry`, U&'\\0001') AS `payload`, '{MICRO_BATCH_TOPIC}' AS `topic`,
+        SELECT `model_id` AS `key`, ARRAY_JOIN(ARRAY_AGG(`entry`), U&'\\0001') AS `payload`,
+               '{MICRO_BATCH_TOPIC}' AS `topic`,
                CAST(COUNT(*) AS INT) AS `partition`, CAST(0 AS BIGINT) AS `offset`, `window_time` AS `ts`
         FROM TABLE(TUMBLE(TABLE `{table}_fast`, DESCRIPTOR(`ts`), INTERVAL '{micro_batch_ms / 1000:.3f}' SECOND))
         GROUP BY `model_id`, `window_start`, `window_end`, `window_time`"""
