@@ -41,7 +41,7 @@ from core.options import add_bootstrap_option
 from core.redaction import redaction_mode
 from operators.arbiter import ArbiterSettings
 from operators.finetune_function import JOB_ID_PARAMETER, FinetuneFunction, TrainerSettings
-from operators.micro_batches import fast_condition, split_input_sql
+from operators.micro_batches import check_micro_batch_ms, fast_condition, split_input_sql
 from operators.registration import VERSION_TYPE, RegistrationFunction, VersionReader
 from operators.validate import DLQ_TAG
 
@@ -129,6 +129,17 @@ class JobConfig:
             create_topic(self.bootstrap, topic, self.partitions)
 
 
+def micro_batch_ms(text: str) -> int:
+    """--micro-batch-ms, refused at the command line unless it divides 1000 or is whole seconds."""
+    value = int(text)
+    if value:
+        try:
+            check_micro_batch_ms(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """The options every training job shares (defaults: core.defaults, the local stack's)."""
     add_bootstrap_option(p, default=defaults.kafka_bootstrap())
@@ -188,7 +199,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-event-age-ms", type=int, default=0,
                    help="a sample whose Kafka timestamp is older is dead-lettered (reason timestamp); "
                         "0 = off, the default: replaying or backfilling old data must stay possible")
-    p.add_argument("--micro-batch-ms", type=int, default=0,
+    p.add_argument("--micro-batch-ms", type=micro_batch_ms, default=0,
                    help="feedback samples the JVM can prove valid (operators/micro_batches.py) cross into "
                         "Python once per model and micro-batch of this much event time, not one by one; "
                         "the rest takes the Python validation as before. It divides 1000 or is whole "

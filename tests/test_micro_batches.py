@@ -245,3 +245,16 @@ def test_pending_samples_of_an_earlier_version_train_with_the_next_window(base, 
     assert [(v.version_id, v.sha256, v.lineage.sample_ids) for v in versions] == \
         [(v.version_id, v.sha256, v.lineage.sample_ids) for v in reference]
     assert fn.pending.before.value() is None, "moved out of the old state"
+
+
+def test_the_command_line_refuses_a_micro_batch_that_could_straddle_a_window(capsys):
+    import argparse
+
+    from jobs.wiring import add_job_arguments
+
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser)
+    assert parser.parse_args(["--micro-batch-ms", "60000"]).micro_batch_ms == 60_000
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--micro-batch-ms", "1500"])
+    assert "must divide 1000 or be whole seconds" in capsys.readouterr().err
