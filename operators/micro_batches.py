@@ -9,8 +9,8 @@ docs/benchmarks.md). With `--micro-batch-ms` the job's input table splits in two
   late (`fast_condition`) joins its model's micro-batch, an event-time tumbling window of
   `micro_batch_ms` (epoch aligned; it divides 1 s, or is whole seconds and validate refuses
   a config whose window is not a whole number of micro-batches, so it never straddles a
-  trainer window). Each closed micro-batch crosses into Python once: validate counts its samples and passes
-  it on, the trainer unpacks it (`unpack`) into the same pending samples, with their own
+  trainer window). Each closed micro-batch crosses into Python once: validate counts its
+  samples and passes it on, the trainer unpacks it (`unpack`) into the same pending samples, with their own
   source positions and timestamps, as the records would have made one by one.
 - **everything else** (configs, triggers, inference logs, change events, any record the
   condition cannot prove, late ones) goes through operators/validate.py as before: its exact
@@ -152,6 +152,9 @@ def split_input_sql(table: str, condition: str, micro_batch_ms: int) -> tuple[st
               " + MOD(EXTRACT(MILLISECOND FROM `ts`), 1000))")
     entry = (f"CONCAT_WS(U&'\\0002', CAST({millis} AS STRING), `topic`, CAST(`partition` AS STRING), "
              "CAST(`offset` AS STRING), `payload`)")
+    # The proven layout puts model_id first, in a string without escapes: it is the fourth
+    # piece between double quotes, no JSON parse needed. ARRAY_AGG, not LISTAGG, whose
+    # accumulator is copied whole on every append (quadratic in a micro-batch's entries).
     view = f"""
         CREATE TEMPORARY VIEW `{table}_fast` AS
         SELECT SPLIT_INDEX(`payload`, '"', 3) AS `model_id`, {entry} AS `entry`, `ts` FROM `{table}`
