@@ -275,8 +275,8 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
                 out_rows, job_id = run_sql(config, topics, f"{counts_topic}-{k}", rows if k == 0 else None,
                                            total, timeout)
                 check_counts(arm, out_rows, expected)
-                runs.append((steady_rate(out_rows)["records_per_s"], out_rows, job_id))
                 rate = steady_rate(out_rows)
+                runs.append((rate["records_per_s"], out_rows, job_id))
                 print(f"  sql run {k + 1}: {rate['records_per_s']:.0f} records/s ({rate['samples']} samples of "
                       f"{rate['timed_windows']} windows in {rate['seconds']} s)", flush=True)
             _, out_rows, job_id = sorted(runs, key=lambda r: r[0])[len(runs) // 2]

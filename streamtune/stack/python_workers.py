@@ -13,8 +13,9 @@ Only third-party modules are imported ahead (never streamtune's own: a worker mu
 code installed when its job starts). The server starts no Python thread (a fork would copy
 their locks in whatever state they are); the native threads its imports start (torch's, the
 allocator's) wait idle, and a forked worker's torch runs and trains as a fresh one does
-(tests/test_python_workers.py). The launcher runs a fresh interpreter instead whenever the server is not there
-or the command is anything but a worker's boot, so the cluster works without it.
+(tests/test_python_workers.py). The launcher runs a fresh interpreter instead whenever the
+server is not there or the command is anything but a worker's boot, so the cluster works
+without it.
 
     python streamtune/stack/python_workers.py SOCKET     # the server (`streamtune stack up`)
 
