@@ -20,7 +20,7 @@ test: install
 # The benchmarks of bench/, one after another, each on a freshly restarted local stack (Tansu
 # slows down as topics pile up, and one TaskManager running job after job has crashed:
 # docs/benchmarks.md), then one table.
-BENCHES := freshness.py "freshness.py --periodic-only" registration.py trainer_overhead.py "cdc_latency.py --modes process" "submit.py --compare-cold" "submit.py --busy 2 --out bench/results/submit-busy.json" "submit.py --busy 2 --idle-timeout-ms 2000 --out bench/results/submit-busy-idle-2s.json" serving.py serving_batching.py serving_load.py many_models.py ingest.py "ingest.py --minutes 5 --out bench/results/ingest-dense.json" "ingest.py --models 1000 --out bench/results/ingest-1000-models.json"
+BENCHES := freshness.py "freshness.py --periodic-only" registration.py trainer_overhead.py "cdc_latency.py --modes process" "submit.py --compare-cold" "submit.py --busy 2 --out bench/results/submit-busy.json" "submit.py --busy 2 --idle-timeout-ms 2000 --out bench/results/submit-busy-idle-2s.json" serving.py serving_batching.py serving_load.py many_models.py ingest.py "ingest.py --minutes 5 --out bench/results/ingest-dense.json" "ingest.py --models 1000 --out bench/results/ingest-1000-models.json" "ingest.py --ceiling --out bench/results/ingest-floor.json" "ingest.py --ceiling --models 1000 --out bench/results/ingest-floor-1000-models.json"
 bench: install
 	for b in $(BENCHES); do \
 	  $(BIN)/streamtune stack down && $(BIN)/streamtune stack up && $(BIN)/python bench/$$b || exit 1; \

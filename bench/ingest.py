@@ -17,7 +17,7 @@ one-minute windows, one record in --bad-every not JSON) goes to each arm's own t
     job, window micro-batches[, 1 s bundles]
                       the same with micro-batches as long as the window (--micro-batch-ms
                       60000): once per model and window
-    floor, window micro-batches
+    floor, window micro-batches (only with --ceiling or --arm)
                       the same front with the trainer's windowing replaced by the least a
                       keyed Python function does (bench/ingest_job.py FloorCounts: one state
                       read and write per row, one timer per model and window): the ceiling of
@@ -256,6 +256,8 @@ ARMS = (("job", 0, 0, False), ("job, 1 s bundles", 1000, 0, False), ("job, micro
         ("job, window micro-batches, 1 s bundles", 1000, WINDOW_MS, False),
         ("floor, window micro-batches", 0, WINDOW_MS, True), ("sql", None, 0, False))
 FLOOR_ARM = "floor, window micro-batches"
+# --ceiling: the floor beside the trainer's fastest arm and SQL, in one run (the floor is not in the default set)
+CEILING_ARMS = ["job, window micro-batches", FLOOR_ARM, "sql"]
 
 
 def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: float, timeout: float,
@@ -269,7 +271,8 @@ def main(records: int, models: int, minutes: int, bad_every: int, job_seconds: f
           "JSON), sent to each arm's own feedback topic", flush=True)
 
     arms = {}
-    for n, (arm, bundle_ms, micro_batch_ms, floor) in enumerate(a for a in ARMS if not only or a[0] in only):
+    chosen = [a for a in ARMS if a[0] in only] if only else [a for a in ARMS if a[0] != FLOOR_ARM]
+    for n, (arm, bundle_ms, micro_batch_ms, floor) in enumerate(chosen):
         topics = job_topics(config.kafka_bootstrap, f"bench.ingest-{u}-{n}")
         counts_topic = f"bench.ingest-{u}-{n}.counts"
         create_topic(config.kafka_bootstrap, counts_topic)
@@ -342,6 +345,9 @@ if __name__ == "__main__":
     p.add_argument("--timeout", type=float, default=600, help="seconds each arm may take")
     p.add_argument("--arm", action="append", choices=[arm for arm, *_ in ARMS],
                    help="run only this arm (repeatable; sql is needed for the ratios)")
+    p.add_argument("--ceiling", action="store_true",
+                   help=f"run the arms {', '.join(CEILING_ARMS)}: the ceiling of windowing in Python")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ingest.json")
     a = p.parse_args()
-    main(a.records, a.models, a.minutes, a.bad_every, a.job_seconds, a.timeout, a.out, a.arm)
+    main(a.records, a.models, a.minutes, a.bad_every, a.job_seconds, a.timeout, a.out,
+         CEILING_ARMS + (a.arm or []) if a.ceiling else a.arm)
