@@ -41,10 +41,10 @@ class WindowCounts(FinetuneFunction):
 
 
 class FloorCounts(KeyedProcessFunction):
-    """PyFlink's floor (--floor): the least a keyed Python function can do per row and window
-    (one ValueState read and write per row, one event-time timer per model and window), in
-    place of the trainer's windowing. What the job's front and this reach is what any Python
-    windowing behind the same front can reach on the same machine."""
+    """PyFlink's floor (--floor-window-ms): the least a keyed Python function can do per row and
+    window (one ValueState read and write per row, one event-time timer per model and window),
+    in place of the trainer's windowing. The rate the job's front reaches with it bounds the
+    rate of any windowing in Python behind the same front, on the same machine."""
 
     def __init__(self, window_ms: int):
         self.window_ms = window_ms
